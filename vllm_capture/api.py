@@ -1,0 +1,291 @@
+"""The client side: build a capture-ready engine, capture prompts, get labelled tensors back."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from vllm_capture.engine.config import engine_kwargs
+from vllm_capture.selection import SelectSpec
+from vllm_capture.session.components import COMPONENTS, HIDDEN_STATES
+from vllm_capture.session.session import EXTRA_ARGS_KEY
+from vllm_capture.session.wire import CaptureMeta, deserialize_captured, match_capture_request_id
+
+
+def LLM(model: str, *, capture_components: Sequence[str] = COMPONENTS,
+        capture_buffer_bytes: int | None = None, capture_reduce_slots: int | None = None,
+        **llm_kwargs):
+    """A ``vllm.LLM`` with capture installed (graphs and compilation stay as vLLM sets them)."""
+    from vllm import LLM as VllmLLM
+
+    extra = {}
+    if capture_buffer_bytes is not None:
+        extra["buffer_bytes"] = capture_buffer_bytes
+    if capture_reduce_slots is not None:
+        extra["reduce_slots"] = capture_reduce_slots
+    return VllmLLM(model=model, **engine_kwargs(components=tuple(capture_components), **extra,
+                                                 **llm_kwargs))
+
+
+# ---- RPC helpers (one entry per worker; rank 0 carries replicated components) -------------------
+
+def _rpc(llm, method: str, *args) -> list[dict]:
+    return llm.collective_rpc(method, args=args)
+
+
+def start_capture(llm, stream: str = HIDDEN_STATES, **config) -> dict:
+    return _rpc(llm, "start_capture", stream, config)[0]
+
+
+def stop_capture(llm, stream: str = HIDDEN_STATES) -> None:
+    _rpc(llm, "stop_capture", stream)
+
+
+def capture_status(llm, stream: str = HIDDEN_STATES) -> dict:
+    return _rpc(llm, "capture_status", stream)[0]
+
+
+def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
+                   layers: list[int] | None = None, req_ids: list[str] | None = None):
+    """Fetch and decode: ``(tensors, meta, layouts)`` keyed by layer id."""
+    reply = _rpc(llm, "fetch_captured", stream, clear, layers, req_ids)[0]
+    wire = reply["layers"]
+    tensors, meta = deserialize_captured(wire)
+    layouts = {int(k): dict(v["layout"]) for k, v in wire.items() if v.get("layout")}
+    return tensors, meta, layouts
+
+
+# ---- capture() ---------------------------------------------------------------------------------
+
+def _spec(value, name: str) -> SelectSpec | None:
+    if value is None or isinstance(value, SelectSpec):
+        return value
+    if isinstance(value, dict):
+        return SelectSpec.from_wire(value)
+    raise ValueError(f"{name}: expected a SelectSpec, its wire dict, or None; got {type(value).__name__}")
+
+
+def needs_full_prompt(spec: SelectSpec | None) -> bool:
+    """Whether a prefix-cache hit could skip rows that ``spec`` selects.
+
+    A hit never covers the last prompt token, so selections of only the last prompt row, or of
+    generated rows only, may keep reading the cache; anything else must recompute the prompt.
+    """
+    if spec is None:
+        return True
+    if not spec.covers_prompt:
+        return False
+    wire = spec.to_wire()
+    if wire["prompt"] == "all" or wire["prompt_tokens"] or wire["prompt_window"]:
+        return True
+    return any(p != -1 for p in (wire["prompt_positions"] or ()))
+
+
+@dataclass
+class CaptureResult:
+    """Captured rows of one ``capture()`` call, grouped per prompt (prompt order)."""
+
+    layers: dict[int, torch.Tensor]
+    outputs: list
+    layouts: dict[int, dict[str, int]]
+    stream: str
+    _meta: dict[int, CaptureMeta]
+    # prompt i owns rows offsets[i]:offsets[i+1] of every layer.
+    offsets: list[int] = field(default_factory=list)
+
+    def meta(self, layer: int) -> CaptureMeta:
+        return self._meta[layer]
+
+    def _check_index(self, i: int) -> None:
+        if not 0 <= i < len(self.offsets) - 1:
+            raise IndexError(f"prompt index {i} out of range for {len(self.offsets) - 1} prompts")
+
+    def sample(self, i: int) -> dict[int, torch.Tensor]:
+        self._check_index(i)
+        return {layer: t[self.offsets[i]: self.offsets[i + 1]] for layer, t in self.layers.items()}
+
+    def sample_rows(self, i: int, layer: int) -> torch.Tensor:
+        self._check_index(i)
+        return self.layers[layer][self.offsets[i]: self.offsets[i + 1]]
+
+    def sample_positions(self, i: int) -> torch.Tensor:
+        self._check_index(i)
+        first = next(iter(self._meta.values()))
+        return first.positions[self.offsets[i]: self.offsets[i + 1]]
+
+    def sample_token_ids(self, i: int) -> torch.Tensor:
+        self._check_index(i)
+        first = next(iter(self._meta.values()))
+        return first.token_ids[self.offsets[i]: self.offsets[i + 1]]
+
+    def token(self, i: int, layer: int, pos: int = -1) -> torch.Tensor:
+        """Row of prompt ``i`` at absolute position ``pos`` (-1: the prompt's last captured row)."""
+        rows = self.sample_rows(i, layer)
+        if pos == -1:
+            if len(rows) == 0:
+                raise KeyError(f"prompt {i} has no captured rows")
+            return rows[-1]
+        hits = (self.sample_positions(i) == pos).nonzero().flatten()
+        if len(hits) == 0:
+            raise KeyError(f"prompt {i} has no captured row at position {pos}")
+        return rows[int(hits[0])]
+
+    # ---- files: memory-mapped .npy + manifest.json, no pickle ----
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        manifest = {"format": "vllm-capture-result", "version": 1, "stream": self.stream,
+                    "offsets": self.offsets, "layouts": {str(k): v for k, v in self.layouts.items()},
+                    "request_ids": [getattr(o, "request_id", None) for o in self.outputs],
+                    "layers": {}}
+        for layer, t in self.layers.items():
+            raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+            np.save(path / f"layer_{layer}.npy", raw.numpy())
+            m = self._meta[layer]
+            np.save(path / f"labels_{layer}.npy",
+                    np.stack([m.positions.numpy(), m.token_ids.numpy()], axis=1).astype(np.int32))
+            manifest["layers"][str(layer)] = {"dtype": str(t.dtype), "req_ids": m.req_ids}
+        (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CaptureResult":
+        path = Path(path)
+        manifest = json.loads((path / "manifest.json").read_text())
+        if manifest.get("format") != "vllm-capture-result":
+            raise ValueError(f"{path}: not a saved CaptureResult (manifest format "
+                             f"{manifest.get('format')!r})")
+        layers, meta = {}, {}
+        for key, info in manifest["layers"].items():
+            layer = int(key)
+            arr = torch.from_numpy(np.load(path / f"layer_{layer}.npy", mmap_mode="r").copy())
+            if info["dtype"] == "torch.bfloat16":
+                arr = arr.view(torch.bfloat16)
+            labels = np.load(path / f"labels_{layer}.npy")
+            layers[layer] = arr
+            meta[layer] = CaptureMeta(info["req_ids"], torch.from_numpy(labels[:, 0].copy()),
+                                      torch.from_numpy(labels[:, 1].copy()))
+        return cls(layers, [], {int(k): v for k, v in manifest["layouts"].items()},
+                   manifest["stream"], meta, manifest["offsets"])
+
+
+def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
+               request_ids: list[str]) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta], list[int]]:
+    """Reorder every layer's rows into prompt order (rows of a prompt by position).
+
+    Raises on rows that belong to no prompt (stale labels), rows claimed twice, and layers whose
+    row labels differ (every layer of a stream must carry the same rows).
+    """
+    grouped_t, grouped_m, offsets, reference = {}, {}, [0], None
+    for layer in sorted(tensors):
+        m = meta[layer]
+        owner = np.full(len(m), -1, dtype=np.int64)
+        for i, client in enumerate(request_ids):
+            hit = np.array([match_capture_request_id(r, client) for r in m.req_ids], dtype=bool)
+            if (owner[hit] >= 0).any():
+                raise RuntimeError(f"layer {layer}: rows match more than one request id")
+            owner[hit] = i
+        if (owner < 0).any():
+            stale = sorted({m.req_ids[j] for j in np.flatnonzero(owner < 0)})[:5]
+            raise RuntimeError(f"layer {layer}: rows of requests that are not part of this "
+                               f"capture: {stale}")
+        positions = m.positions.numpy()
+        order = np.lexsort((np.arange(len(m)), positions, owner))
+        labels = list(zip(owner[order].tolist(), positions[order].tolist(),
+                          m.token_ids.numpy()[order].tolist()))
+        if reference is None:
+            reference = labels
+            counts = np.bincount(owner, minlength=len(request_ids))
+            offsets = [0] + np.cumsum(counts).tolist()
+        elif labels != reference:
+            raise RuntimeError(f"layer {layer}: row labels differ from the other layers'")
+        idx = torch.from_numpy(order)
+        grouped_t[layer] = tensors[layer][idx]
+        grouped_m[layer] = CaptureMeta([m.req_ids[j] for j in order.tolist()],
+                                       m.positions[idx], m.token_ids[idx])
+    if reference is None:
+        offsets = [0] * (len(request_ids) + 1)
+    return grouped_t, grouped_m, offsets
+
+
+def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: int = 1,
+            layers: list[int] | None = None, dtype: str | None = None,
+            select: SelectSpec | dict | None = None,
+            per_prompt_selects: Sequence[SelectSpec | dict | None] | None = None,
+            budget_rows: int | None = None, sampling_params=None, use_tqdm: bool = False,
+            **sampling_kwargs) -> CaptureResult:
+    """Generate ``prompts`` and return the captured rows, grouped per prompt.
+
+    Raises if any row was dropped (budget or buffer capacity), if a request failed or its prompt
+    rows were skipped by the prefix cache, and always stops the stream.
+    """
+    from vllm import SamplingParams
+
+    if stream not in COMPONENTS:
+        raise ValueError(f"stream: unknown {stream!r}; choose one of {list(COMPONENTS)}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts: empty")
+    spec = _spec(select, "select")
+    if per_prompt_selects is not None:
+        per_prompt = [_spec(s, f"per_prompt_selects[{i}]") for i, s in enumerate(per_prompt_selects)]
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"per_prompt_selects: {len(per_prompt)} entries for {len(prompts)} prompts")
+    else:
+        per_prompt = [None] * len(prompts)
+    if sampling_params is None:
+        sampling_kwargs.setdefault("temperature", 0.0)
+        sampling_params = SamplingParams(max_tokens=max_tokens, **sampling_kwargs)
+    elif sampling_kwargs:
+        raise ValueError(f"pass either sampling_params or sampling keywords, not both "
+                         f"({sorted(sampling_kwargs)})")
+    if sampling_params.n != 1:
+        raise ValueError("sampling_params.n: capture supports n=1 only")
+    params = []
+    for own in per_prompt:
+        p = sampling_params.clone()
+        effective = own if own is not None else spec
+        if own is not None:
+            p.extra_args = {**(p.extra_args or {}), EXTRA_ARGS_KEY: {stream: own.to_wire()}}
+        if needs_full_prompt(effective):
+            p.skip_reading_prefix_cache = True
+        params.append(p)
+
+    config: dict[str, Any] = {"layers": layers, "dtype": dtype,
+                              "select": spec.to_wire() if spec is not None else None,
+                              "budget_rows": budget_rows}
+    start_capture(llm, stream, **config)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        tensors, meta, layouts = fetch_captured(llm, stream, clear=False)
+        status = capture_status(llm, stream)
+        if status.get("tokens_dropped"):
+            raise RuntimeError(
+                f"capture dropped {status['tokens_dropped']} row(s) (budget_rows or the device "
+                "buffer's rows per step); the result would be incomplete. Raise budget_rows or "
+                "capture_buffer_bytes, capture fewer rows, or use capture_batches().")
+    finally:
+        stop_capture(llm, stream)
+    request_ids = [o.request_id for o in outputs]
+    grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids)
+    return CaptureResult(grouped, outputs, layouts, stream, grouped_meta, offsets)
+
+
+def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
+                    per_prompt_selects: Sequence | None = None, **kwargs) -> Iterator[CaptureResult]:
+    """``capture()`` over consecutive batches: memory stays bounded by one batch's rows."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
+    prompts = list(prompts)
+    for start in range(0, len(prompts), batch_size):
+        chunk_selects = None
+        if per_prompt_selects is not None:
+            chunk_selects = list(per_prompt_selects)[start: start + batch_size]
+        yield capture(llm, prompts[start: start + batch_size], per_prompt_selects=chunk_selects,
+                      **kwargs)

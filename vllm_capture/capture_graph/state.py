@@ -1,0 +1,263 @@
+"""CaptureGraphState: the graph-static device memory that capture kernels read and write.
+
+Everything a kernel touches is allocated once, at model load, before vLLM profiles memory and
+captures CUDA graphs, and is never reallocated: a replayed graph holds raw addresses. What changes
+per step (the row plan, the ring slot, whether a stream is on) is written into those buffers by the
+host before the forward; the kernels read it from device memory. After the forward, ``drain``
+enqueues asynchronous device-to-host copies of exactly the rows the host planned (the host knows the
+count, so no device value is read back) on a side stream, ordered by events, and returns them as
+``DrainedRows`` for the session to hand to the store off the step path.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_capture.kernels import launch_capture, warmup
+from vllm_capture.kernels import layout as L
+
+
+@dataclass
+class Site:
+    """One instrumented call site: a (component, layer) pair and its own ring and accumulators."""
+
+    component: str
+    layer_id: int
+    layer_name: str
+    width: int
+    dtype: torch.dtype
+    # int32 [2] = (executions, enabled); registered as a buffer on the instrumented module.
+    counter: torch.Tensor
+    ring: torch.Tensor | None = None
+    ring_labels: torch.Tensor | None = None
+    acc: torch.Tensor | None = None
+    acc_labels: torch.Tensor | None = None
+    acc_count: torch.Tensor | None = None
+    eager_executions: int = 0
+    enabled: bool = False  # host mirror of counter[1]
+
+
+@dataclass
+class StreamPlanBuffers:
+    """Per-component plan, shared by all of its sites: one H2D copy per step."""
+
+    buffer: torch.Tensor  # int32 [META_SIZE + PLAN_ROWS * capacity], device
+    meta: torch.Tensor  # view: int32 [META_SIZE]
+    plan: torch.Tensor  # view: int32 [PLAN_ROWS, capacity]
+    host: np.ndarray  # the host image of ``buffer``
+    mode: int = L.MODE_OFF
+    count: int = 0
+    slot: int = 0
+
+
+@dataclass
+class DrainedRows:
+    """Rows of one component for one step, on their way to the host."""
+
+    component: str
+    count: int
+    # layer_id -> (rows [count, width], labels int32 [count, 3]); host tensors once ``done`` is set.
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    layer_names: dict[int, str]
+    event: object | None = None  # torch.cuda.Event on GPU; None when the copy already finished
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+@dataclass
+class CaptureGraphState:
+    device: torch.device
+    capacity: int  # rows per step per component (ring slot size)
+    ring_slots: int = 2
+    acc_slots: int = 64
+    sites: dict[int, Site] = field(default_factory=dict)  # counter.data_ptr() -> Site
+    streams: dict[str, StreamPlanBuffers] = field(default_factory=dict)
+    input_ids: torch.Tensor | None = None
+    ready: bool = False
+    step_active: bool = False
+    allocation_bytes: int = 0
+    _slot_free: dict = field(default_factory=dict)
+    _copy_stream: object | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ---- set-up (model load time) -------------------------------------------------------------
+
+    def add_site(self, component: str, layer_id: int, layer_name: str, width: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+        if self.ready:
+            raise RuntimeError("capture sites must be added before the capture buffers are allocated")
+        counter = L.new_site_buffer(self.device, enabled=False)
+        self.sites[counter.data_ptr()] = Site(component, layer_id, layer_name, width, dtype, counter)
+        return counter
+
+    def sites_of(self, component: str) -> list[Site]:
+        return sorted((s for s in self.sites.values() if s.component == component),
+                      key=lambda s: s.layer_id)
+
+    def allocate(self) -> None:
+        """Allocate every ring, accumulator and plan buffer, then compile the kernels once."""
+        nbytes = 0
+        for component in {s.component for s in self.sites.values()}:
+            buf = torch.zeros(L.META_FIELDS + L.PLAN_FIELDS * self.capacity, dtype=torch.int32,
+                              device=self.device)
+            self.streams[component] = StreamPlanBuffers(
+                buffer=buf,
+                meta=buf[: L.META_FIELDS],
+                plan=buf[L.META_FIELDS:].view(L.PLAN_FIELDS, self.capacity),
+                host=np.zeros(buf.numel(), dtype=np.int32),
+            )
+            nbytes += buf.numel() * 4
+        for site in self.sites.values():
+            site.ring, site.ring_labels = L.new_ring_buffers(
+                self.ring_slots, self.capacity, site.width, site.dtype, self.device)
+            site.acc, site.acc_labels, site.acc_count = L.new_acc_buffers(
+                self.acc_slots, site.width, self.device)
+            nbytes += sum(t.numel() * t.element_size() for t in (
+                site.ring, site.ring_labels, site.acc, site.acc_labels, site.acc_count, site.counter))
+        self.allocation_bytes = nbytes
+        if self.device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+            self._slot_free = {}
+            warmup(self.device, sorted({s.dtype for s in self.sites.values()}, key=str))
+        self.ready = True
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the ring buffers alone (what rows occupy on the device)."""
+        return sum(s.ring.numel() * s.ring.element_size() for s in self.sites.values()
+                   if s.ring is not None)
+
+    def set_input_ids(self, input_ids: torch.Tensor) -> None:
+        """The runner's persistent token-id buffer; the kernels read row labels from it."""
+        self.input_ids = input_ids
+
+    def set_enabled(self, component: str, layers: set[int] | None) -> None:
+        """Switch sites of ``component`` on (layers=None: all) or off (empty set)."""
+        for site in self.sites_of(component):
+            site.enabled = layers is None or site.layer_id in layers
+            site.counter[L.SITE_ENABLED] = int(site.enabled)
+
+    # ---- per step ------------------------------------------------------------------------------
+
+    def upload_rows(self, component: str, rows: np.ndarray, req_index: np.ndarray,
+                    positions: np.ndarray) -> None:
+        buf = self.streams[component]
+        n = len(rows)
+        if n > self.capacity:
+            raise ValueError(f"plan has {n} rows, capacity is {self.capacity}")
+        buf.slot = (buf.slot + 1) % self.ring_slots
+        self._write(buf, L.MODE_ROWS, n, (rows, req_index, positions))
+
+    def upload_segments(self, component: str, mode: int, row_start: np.ndarray,
+                        row_count: np.ndarray, slots: np.ndarray, req_index: np.ndarray) -> None:
+        self._write(self.streams[component], mode, len(row_start),
+                    (row_start, row_count, slots, req_index))
+
+    def _write(self, buf: StreamPlanBuffers, mode: int, count: int, columns) -> None:
+        host = buf.host
+        host[L.META_MODE] = mode
+        host[L.META_COUNT] = count
+        host[L.META_SLOT] = buf.slot
+        plan = host[L.META_FIELDS:].reshape(L.PLAN_FIELDS, self.capacity)
+        for i, col in enumerate(columns):
+            plan[i, :count] = col
+        buf.mode, buf.count = mode, count
+        if self.device.type == "cuda":
+            # The slot we are about to overwrite may still be copying out from two steps ago.
+            pending = self._slot_free.get((id(buf), buf.slot))
+            if pending is not None and mode == L.MODE_ROWS:
+                torch.cuda.current_stream(self.device).wait_event(pending)
+            # A fresh pinned tensor per step: the caching host allocator keeps it alive until
+            # the non-blocking copy has run, so the step never waits for the copy.
+            staged = torch.from_numpy(host.copy()).pin_memory()
+            buf.buffer.copy_(staged, non_blocking=True)
+        else:
+            buf.buffer.copy_(torch.from_numpy(host))
+
+    def switch_off(self) -> None:
+        """Set every stream's mode to off, so dummy, profile and capture runs capture nothing."""
+        for buf in self.streams.values():
+            if buf.mode != L.MODE_OFF:
+                buf.mode, buf.count = L.MODE_OFF, 0
+                buf.host[L.META_MODE] = L.MODE_OFF
+                buf.host[L.META_COUNT] = 0
+                buf.meta.zero_()
+
+    def handle(self, x: torch.Tensor, residual: torch.Tensor | None, counter: torch.Tensor) -> None:
+        """The op body. At graph capture it records the launch; in eager mode it runs it."""
+        site = self.sites.get(counter.data_ptr())
+        if site is None or not self.ready:
+            return
+        buf = self.streams[site.component]
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            if not self.step_active or buf.mode == L.MODE_OFF or not site.enabled:
+                # Eager step with nothing to capture: skip the launch (counter not bumped).
+                return
+            site.eager_executions += 1
+        launch_capture(x, residual, self.input_ids, buf.meta, buf.plan, counter, site.ring,
+                       site.ring_labels, site.acc, site.acc_labels, site.acc_count)
+
+    def drain(self) -> list[DrainedRows]:
+        """Enqueue copies of this step's planned rows (mode rows) to host memory."""
+        drained = []
+        for component, buf in self.streams.items():
+            if buf.mode != L.MODE_ROWS or buf.count == 0:
+                continue
+            sites = [s for s in self.sites_of(component) if s.enabled]
+            n, slot = buf.count, buf.slot
+            layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            event = None
+            if self.device.type == "cuda":
+                main = torch.cuda.current_stream(self.device)
+                done = torch.cuda.Event()
+                done.record(main)
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(done)
+                    for s in sites:
+                        rows = torch.empty((n, s.width), dtype=s.dtype, pin_memory=True)
+                        labels = torch.empty((n, 3), dtype=torch.int32, pin_memory=True)
+                        rows.copy_(s.ring[slot, :n], non_blocking=True)
+                        labels.copy_(s.ring_labels[slot, :n], non_blocking=True)
+                        layers[s.layer_id] = (rows, labels)
+                    event = torch.cuda.Event()
+                    event.record(self._copy_stream)
+                self._slot_free[(id(buf), slot)] = event
+            else:
+                for s in sites:
+                    layers[s.layer_id] = (s.ring[slot, :n].clone(), s.ring_labels[slot, :n].clone())
+            drained.append(DrainedRows(component, n, layers,
+                                       {s.layer_id: s.layer_name for s in sites}, event))
+        return drained
+
+    # ---- reductions ------------------------------------------------------------------------------
+
+    def reset_acc_slots(self, component: str, slots: list[int]) -> None:
+        if not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        for s in self.sites_of(component):
+            s.acc.index_fill_(0, idx, 0.0)
+            s.acc_count.index_fill_(0, idx, 0)
+            s.acc_labels.index_fill_(0, idx, 0)
+
+    def read_acc_slots(self, component: str, slots: list[int]):
+        """Copy accumulator rows of ``slots`` to host: {layer: (acc fp32, labels, counts)}.
+
+        Runs at request finish or fetch, outside the forward; it waits for the device.
+        """
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        out = {}
+        for s in self.sites_of(component):
+            if not s.enabled:
+                continue
+            out[s.layer_id] = (s.acc.index_select(0, idx).cpu(),
+                               s.acc_labels.index_select(0, idx).cpu(),
+                               s.acc_count.index_select(0, idx).cpu())
+        return out

@@ -1,0 +1,76 @@
+"""The engine-side capture configuration, carried in ``additional_config["capture"]``.
+
+``additional_config`` enters vLLM's compile-cache hash, so an engine built with capture never
+loads a compiled artifact that was built without the capture ops (and vice versa). The version
+makes artifacts of older vllm-capture releases miss the cache too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from vllm_capture.session.components import COMPONENTS
+
+CONFIG_KEY = "capture"
+CONFIG_VERSION = 1
+WORKER_EXTENSION = "vllm_capture.engine.worker_ext.CaptureWorkerExtension"
+
+DEFAULT_BUFFER_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineCaptureConfig:
+    """What to instrument at model load, and how much device memory capture may take."""
+
+    components: tuple[str, ...] = COMPONENTS
+    # Device bytes for the ring buffers of all sites together; sets rows per step.
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    # Requests that can hold a last/mean accumulator at once.
+    reduce_slots: int = 256
+    ring_slots: int = 2
+    version: int = field(default=CONFIG_VERSION)
+
+    def __post_init__(self):
+        comps = tuple(self.components)
+        bad = [c for c in comps if c not in COMPONENTS]
+        if not comps or bad:
+            raise ValueError(f"components: unknown {bad or 'empty list'}; choose from {list(COMPONENTS)}")
+        object.__setattr__(self, "components", comps)
+        for name in ("buffer_bytes", "reduce_slots", "ring_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.version != CONFIG_VERSION:
+            raise ValueError(f"version: this vllm-capture speaks config version {CONFIG_VERSION}, "
+                             f"got {self.version!r}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["components"] = list(self.components)
+        return d
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> "EngineCaptureConfig | None":
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        raw = extra.get(CONFIG_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {type(raw).__name__}")
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"additional_config[{CONFIG_KEY!r}]: unknown keys {sorted(unknown)}")
+        return cls(**raw)
+
+
+def engine_kwargs(components=COMPONENTS, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                  reduce_slots: int = 256, **llm_kwargs) -> dict:
+    """Keyword arguments for ``vllm.LLM(...)`` (or ``AsyncEngineArgs``) that make it capture-ready."""
+    cfg = EngineCaptureConfig(tuple(components), buffer_bytes, reduce_slots)
+    additional = dict(llm_kwargs.pop("additional_config", None) or {})
+    additional[CONFIG_KEY] = cfg.to_dict()
+    existing = llm_kwargs.pop("worker_extension_cls", None)
+    if existing not in (None, "", WORKER_EXTENSION):
+        raise ValueError(f"worker_extension_cls: already set to {existing!r}; vllm-capture needs "
+                         f"{WORKER_EXTENSION!r}")
+    return {**llm_kwargs, "additional_config": additional, "worker_extension_cls": WORKER_EXTENSION}

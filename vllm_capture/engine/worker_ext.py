@@ -1,0 +1,146 @@
+"""The worker extension: installs capture at model load and serves the capture RPCs.
+
+vLLM imports this module in every worker process before the worker loads its model (it is named
+by ``worker_extension_cls``). Importing it patches ``Worker.load_model`` (shared by the V1, V2 and
+CPU runners) so that, right after the weights are loaded and before the first forward compiles
+the model, the call sites are instrumented, the graph-static buffers allocated and counted as
+model memory, and the per-step wrappers installed. Engines without ``additional_config["capture"]``
+are left untouched.
+
+RPC methods return only msgpack-native values, so they work without
+``VLLM_ALLOW_INSECURE_SERIALIZATION``. Their names cannot collide with Worker attributes (vLLM
+asserts that), hence the ``*_capture*`` names of the spec.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from vllm_capture.capture_graph.state import CaptureGraphState
+from vllm_capture.engine.config import EngineCaptureConfig
+from vllm_capture.engine.instrument import find_targets, instrument
+from vllm_capture.engine.runners import wrap_runner
+from vllm_capture.kernels.ops import register_op, set_site_handler
+from vllm_capture.session.components import COMPONENTS
+from vllm_capture.session.session import CaptureSession
+
+logger = logging.getLogger("vllm_capture")
+SESSION_ATTR = "_vllm_capture_session"
+
+
+def _capacity(cfg: EngineCaptureConfig, targets, vllm_config) -> int:
+    """Rows per step per component that fit the ring byte budget (at least 1)."""
+    bytes_per_row = sum((t.width * t.dtype.itemsize + 12) * cfg.ring_slots for t in targets)
+    max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    if bytes_per_row == 0:
+        return max_tokens
+    return max(1, min(max_tokens, cfg.buffer_bytes // bytes_per_row))
+
+
+def install(worker) -> CaptureSession | None:
+    cfg = EngineCaptureConfig.from_vllm_config(worker.vllm_config)
+    if cfg is None:
+        return None
+    runner = worker.model_runner
+    if getattr(worker.vllm_config.parallel_config, "enable_dbo", False):
+        raise ValueError("vllm-capture does not support dual-batch overlap (enable_dbo)")
+    model = runner.get_model()
+    model_config = worker.vllm_config.model_config
+    targets = [t for t in find_targets(model, model_config.get_hidden_size(), model_config.dtype)
+               if t.component in cfg.components]
+    device = next(model.parameters()).device
+    max_seqs = int(worker.vllm_config.scheduler_config.max_num_seqs)
+    state = CaptureGraphState(device=device, capacity=_capacity(cfg, targets, worker.vllm_config),
+                              ring_slots=cfg.ring_slots, acc_slots=min(cfg.reduce_slots, max_seqs))
+    instrument(targets, state.add_site)
+    state.allocate()
+    # vLLM sizes the KV cache from memory measured while weights load and during profiling;
+    # buffers allocated in between are invisible to it unless counted as model memory.
+    if hasattr(runner, "model_memory_usage"):
+        runner.model_memory_usage += state.allocation_bytes
+    layouts = {c: {} for c in COMPONENTS}
+    for t in targets:
+        layouts[t.component][t.layer_id] = dict(t.layout)
+    session = CaptureSession(state, layouts)
+    state.set_input_ids(wrap_runner(runner, session))
+    set_site_handler(state.handle)
+    setattr(worker, SESSION_ATTR, session)
+    logger.info("vllm-capture: %d call sites instrumented (%s), %d rows/step, %.1f MiB of buffers",
+                len(targets), ", ".join(f"{c}={sum(t.component == c for t in targets)}"
+                                        for c in cfg.components),
+                state.capacity, state.allocation_bytes / 2**20)
+    return session
+
+
+def _patch_load_model() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if getattr(Worker.load_model, "_vllm_capture", False):
+        return
+    original = Worker.load_model
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        install(self)
+        return result
+
+    load_model._vllm_capture = True
+    Worker.load_model = load_model
+
+
+register_op()
+_patch_load_model()
+
+
+class CaptureWorkerExtension:
+    """Mixed into vLLM's Worker; ``self`` is the worker."""
+
+    def _capture_session(self) -> CaptureSession:
+        session = getattr(self, SESSION_ATTR, None)
+        if session is None:
+            raise RuntimeError(
+                "this engine was built without capture: pass "
+                "additional_config={'capture': {...}} (use vllm_capture.LLM or "
+                "vllm_capture.engine_kwargs)")
+        return session
+
+    def _capture_rank(self) -> dict:
+        try:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            group = get_tp_group()
+            return {"tp_rank": int(group.rank_in_group), "tp_size": int(group.world_size)}
+        except Exception:
+            return {"tp_rank": 0, "tp_size": 1}
+
+    def start_capture(self, stream: str, config: dict | None = None) -> dict:
+        session = self._capture_session()
+        if config is not None and not isinstance(config, dict):
+            raise ValueError(f"config: expected a dict of StreamConfig arguments, got {type(config).__name__}")
+        session.enable_stream(stream, **(config or {}))
+        return {**self._capture_rank(), **session.stream_status(stream)}
+
+    def stop_capture(self, stream: str) -> dict:
+        session = self._capture_session()
+        session.disable_stream(stream)
+        return self._capture_rank()
+
+    def fetch_captured(self, stream: str, clear: bool = True, layers: list | None = None,
+                       req_ids: list | None = None) -> dict:
+        session = self._capture_session()
+        with torch.inference_mode():
+            data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids)
+        return {**self._capture_rank(), "layers": {str(k): v for k, v in data.items()}}
+
+    def clear_captured(self, stream: str) -> dict:
+        self._capture_session().clear_stream(stream)
+        return self._capture_rank()
+
+    def capture_status(self, stream: str) -> dict:
+        status = self._capture_session().stream_status(stream)
+        status["layouts"] = {str(k): v for k, v in status["layouts"].items()}
+        return {**self._capture_rank(), **status}

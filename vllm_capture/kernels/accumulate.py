@@ -1,0 +1,212 @@
+"""Per-request reductions (``MODE_LAST`` / ``MODE_MEAN``) into fp32 accumulator slots.
+
+Semantics (shared by the Triton device function and the torch reference), for each segment
+``s < n = clamp(plan_meta[META_COUNT], 0, min(T, cap))`` with ``start, cnt, slot, req`` read from
+``plan[PLAN_SEG_*, s]``. A segment is *valid* iff ``cnt > 0``, ``0 <= start``,
+``start + cnt <= T`` and ``0 <= slot < acc_slots``; invalid segments are skipped entirely (they can
+only come from a host bug, and skipping keeps every access in bounds)::
+
+    MODE_LAST:  last = start + cnt - 1
+                acc[slot, :]                 = fp32(x[last]) (+ fp32(residual[last]))
+                acc_labels[slot, LABEL_REQ]  = req
+                acc_labels[slot, LABEL_TOKEN]= int32(input_ids[last])   (NO_TOKEN if unreadable)
+                acc_labels[slot, LABEL_POS]  untouched (segments carry no position; the host knows it)
+                acc_count[slot]             += cnt
+    MODE_MEAN:  acc[slot, :]                += sum_{t in [start, start+cnt)} fp32(x[t]) (+ fp32(residual[t]))
+                acc_labels[slot, LABEL_REQ]  = req
+                acc_count[slot]             += cnt
+
+``n`` is capped by ``T`` because a step has at most one segment per request and at most ``T``
+requests; that keeps the grid a function of ``x.shape[0]`` alone. The host zeroes a slot when it
+assigns it to a request and divides by ``acc_count`` at finalize; so several steps (chunked
+prefill, decode) accumulate into the same slot.
+
+Determinism: in the kernel, one program owns one (segment, column block) and walks the segment's
+rows in a fixed order: chunks of ``BLOCK_T`` rows, each chunk reduced by ``tl.sum`` (a fixed
+reduction tree for a given compiled kernel), chunk partials added in row order, and finally added
+to ``acc`` once. No atomics touch ``acc``, so eager and CUDA-graph runs of the same kernel are
+bit-identical. The torch reference sums in torch's own order (equal within fp32 rounding).
+
+Segments of one step must have distinct slots and cover disjoint rows (one segment per request);
+the reference relies on disjointness to map rows to segments without a host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout as L
+from .common import HAVE_TRITON, to_f32, tl, triton
+from .gather import _rows_f32, _token_ids
+
+if HAVE_TRITON:
+    _SEG_START = tl.constexpr(L.PLAN_SEG_START)
+    _SEG_COUNT = tl.constexpr(L.PLAN_SEG_COUNT)
+    _SEG_SLOT = tl.constexpr(L.PLAN_SEG_SLOT)
+    _SEG_REQ = tl.constexpr(L.PLAN_SEG_REQ)
+    _LABEL_FIELDS = tl.constexpr(L.LABEL_FIELDS)
+    _LABEL_REQ = tl.constexpr(L.LABEL_REQ)
+    _LABEL_TOKEN = tl.constexpr(L.LABEL_TOKEN)
+    _NO_TOKEN = tl.constexpr(L.NO_TOKEN)
+
+    @triton.jit
+    def accumulate_segments_tile(
+        x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
+        n, T, cap, n_acc, W, n_ids,
+        stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
+        pid_r, pid_w,
+        IS_MEAN: tl.constexpr, HAS_RES: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        """Segments ``[pid_r*BLOCK_R, +BLOCK_R) & < n`` x columns ``[pid_w*BLOCK_W, +BLOCK_W)``.
+
+        ``IS_MEAN`` is a compile-time switch (the capture kernel dispatches on the runtime mode to
+        one of two inlined copies). Labels and counts are written by the ``pid_w == 0`` column
+        block only; ``acc_count`` uses an atomic add so that it stays exact even if a buggy plan
+        repeats a slot.
+        """
+        cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+        cmask = cols < W
+        cols64 = cols.to(tl.int64)
+        if IS_MEAN:
+            # One segment at a time, rows in a fixed order (see module docstring).
+            for j in range(BLOCK_R):
+                s = pid_r * BLOCK_R + j
+                if s < n:
+                    start = tl.load(plan_ptr + _SEG_START * cap + s)
+                    cnt = tl.load(plan_ptr + _SEG_COUNT * cap + s)
+                    slot = tl.load(plan_ptr + _SEG_SLOT * cap + s)
+                    ok = (cnt > 0) & (start >= 0) & (start <= T - cnt) & (slot >= 0) & (slot < n_acc)
+                    if ok:
+                        total = tl.zeros([BLOCK_W], dtype=tl.float32)
+                        for t0 in range(0, cnt, BLOCK_T):
+                            tt = t0 + tl.arange(0, BLOCK_T)
+                            rows64 = (start + tt).to(tl.int64)
+                            m = (tt < cnt)[:, None] & cmask[None, :]
+                            tile = to_f32(tl.load(x_ptr + rows64[:, None] * stride_xt
+                                                  + cols64[None, :] * stride_xw, mask=m, other=0.0))
+                            if HAS_RES:
+                                tile += to_f32(tl.load(res_ptr + rows64[:, None] * stride_rt
+                                                       + cols64[None, :] * stride_rw, mask=m, other=0.0))
+                            total += tl.sum(tile, axis=0)
+                        slot64 = slot.to(tl.int64)
+                        a_ptrs = acc_ptr + slot64 * W + cols64
+                        tl.store(a_ptrs, tl.load(a_ptrs, mask=cmask, other=0.0) + total, mask=cmask)
+                        if pid_w == 0:
+                            req = tl.load(plan_ptr + _SEG_REQ * cap + s)
+                            tl.store(acc_labels_ptr + slot64 * _LABEL_FIELDS + _LABEL_REQ, req)
+                            tl.atomic_add(acc_count_ptr + slot, cnt)
+        else:
+            # One row per segment: BLOCK_R segments as one [BLOCK_R, BLOCK_W] tile.
+            s = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+            smask = s < n
+            start = tl.load(plan_ptr + _SEG_START * cap + s, mask=smask, other=0)
+            cnt = tl.load(plan_ptr + _SEG_COUNT * cap + s, mask=smask, other=0)
+            slot = tl.load(plan_ptr + _SEG_SLOT * cap + s, mask=smask, other=-1)
+            ok = smask & (cnt > 0) & (start >= 0) & (start <= T - cnt) & (slot >= 0) & (slot < n_acc)
+            last = start + cnt - 1
+            last64 = last.to(tl.int64)
+            slot64 = slot.to(tl.int64)
+            m = ok[:, None] & cmask[None, :]
+            v = to_f32(tl.load(x_ptr + last64[:, None] * stride_xt + cols64[None, :] * stride_xw,
+                               mask=m, other=0.0))
+            if HAS_RES:
+                v += to_f32(tl.load(res_ptr + last64[:, None] * stride_rt + cols64[None, :] * stride_rw,
+                                    mask=m, other=0.0))
+            tl.store(acc_ptr + slot64[:, None] * W + cols64[None, :], v, mask=m)
+            if pid_w == 0:
+                req = tl.load(plan_ptr + _SEG_REQ * cap + s, mask=ok, other=0)
+                tok = tl.load(ids_ptr + last64 * stride_ids, mask=ok & (last < n_ids), other=_NO_TOKEN)
+                lab = acc_labels_ptr + slot64 * _LABEL_FIELDS
+                tl.store(lab + _LABEL_REQ, req, mask=ok)
+                tl.store(lab + _LABEL_TOKEN, tok.to(tl.int32), mask=ok)
+                tl.atomic_add(acc_count_ptr + slot, cnt, mask=ok)
+
+
+def _scatter_unique(dst: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, values: torch.Tensor) -> None:
+    """``dst[idx[i]] = values[i]`` for ``ok[i]``, without a host sync and without racing writes.
+
+    Valid indices are distinct (one segment per slot). Invalid entries must still go somewhere in a
+    mask-only formulation; they are redirected to the first valid entry's index *with that entry's
+    value*, so every write to an index carries the same value. With no valid entry, all entries
+    rewrite ``dst[idx[0]]`` with its own value.
+    """
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    first = ok.to(torch.int32).argmax()
+    final = torch.where(ok.view(shape), values.to(dst.dtype), dst[idx])
+    dst.index_put_((torch.where(ok, idx, idx[first]),),
+                   torch.where(ok.view(shape), final, final[first]))
+
+
+def accumulate_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    plan_meta: torch.Tensor,
+    plan: torch.Tensor,
+    acc: torch.Tensor,
+    acc_labels: torch.Tensor,
+    acc_count: torch.Tensor,
+    *,
+    enabled: bool | torch.Tensor = True,
+    allow_sync: bool | None = None,
+) -> None:
+    """Torch version of ``MODE_LAST`` / ``MODE_MEAN`` (any device); a no-op for other modes.
+
+    ``allow_sync`` as in :func:`gather_rows_reference`: without it both reductions are evaluated
+    as device-side masked updates (the mode itself is only known on the device), so the function is
+    capturable; with it (CPU) it reads the mode and count on the host and does only what is needed.
+    """
+    if allow_sync is None:
+        allow_sync = x.device.type == "cpu"
+    T = x.shape[0]
+    cap = plan.shape[1]
+    n_acc = acc.shape[0]
+    n_max = min(T, cap)
+    if n_acc == 0 or n_max == 0:
+        return
+    mode = plan_meta[L.META_MODE]
+    count = plan_meta[L.META_COUNT]
+    is_last = (mode == L.MODE_LAST) & enabled
+    is_mean = (mode == L.MODE_MEAN) & enabled
+    do_last = do_mean = True
+    if allow_sync:
+        do_last, do_mean = bool(is_last), bool(is_mean)
+        n_max = min(n_max, max(0, int(count)))
+        if n_max == 0 or not (do_last or do_mean):
+            return
+    device = x.device
+    s = torch.arange(n_max, device=device)
+    start = plan[L.PLAN_SEG_START, :n_max].to(torch.int64)
+    cnt = plan[L.PLAN_SEG_COUNT, :n_max].to(torch.int64)
+    slot = plan[L.PLAN_SEG_SLOT, :n_max].to(torch.int64)
+    req = plan[L.PLAN_SEG_REQ, :n_max]
+    ok = (s < count) & (cnt > 0) & (start >= 0) & (start + cnt <= T) & (slot >= 0) & (slot < n_acc)
+    slot_c = slot.clamp(0, n_acc - 1)
+
+    if do_last:
+        ok_l = ok & is_last
+        last = (start + cnt - 1).clamp(0, T - 1)
+        _scatter_unique(acc, slot_c, ok_l, _rows_f32(x, residual, last))
+        _scatter_unique(acc_labels[:, L.LABEL_REQ], slot_c, ok_l, req)
+        _scatter_unique(acc_labels[:, L.LABEL_TOKEN], slot_c, ok_l, _token_ids(input_ids, last, ok_l))
+        acc_count.index_add_(0, slot_c, torch.where(ok_l, cnt, 0).to(acc_count.dtype))
+
+    if do_mean:
+        ok_m = ok & is_mean
+        # Row -> 1-based segment id via +id/-id boundary marks and a prefix sum (rows of one step's
+        # segments are disjoint); 0 = row in no valid segment. All on the device.
+        seg_id = torch.where(ok_m, s + 1, 0)
+        marks = torch.zeros(T + 1, dtype=torch.int64, device=device)
+        marks.index_add_(0, start.clamp(0, T), seg_id)
+        marks.index_add_(0, (start + cnt).clamp(0, T), -seg_id)
+        row_seg = marks.cumsum(0)[:T]
+        row_seg = torch.where((row_seg >= 0) & (row_seg <= n_max), row_seg, 0)
+        v = x.to(torch.float32)
+        if residual is not None:
+            v = v + residual.to(torch.float32)
+        sums = torch.zeros(n_max + 1, x.shape[1], dtype=torch.float32, device=device)
+        sums.index_add_(0, row_seg, v)
+        acc.index_add_(0, slot_c, torch.where(ok_m[:, None], sums[1:], 0.0))
+        _scatter_unique(acc_labels[:, L.LABEL_REQ], slot_c, ok_m, req)
+        acc_count.index_add_(0, slot_c, torch.where(ok_m, cnt, 0).to(acc_count.dtype))

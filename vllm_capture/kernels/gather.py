@@ -1,0 +1,147 @@
+"""Row gather (``MODE_ROWS``): planned activation rows -> one ring slot, with labels.
+
+Semantics (shared by the Triton device function and the torch reference), for
+``r < n = clamp(plan_meta[META_COUNT], 0, min(T, cap, ring_cap))``::
+
+    row = plan[PLAN_ROW, r]
+    ring[slot, r, :]     = cast(fp32(x[row]) (+ fp32(residual[row])))     # add in fp32, one rounding
+    ring_labels[slot, r] = (plan[PLAN_REQ, r], plan[PLAN_POS, r], int32(input_ids[row]))
+
+with ``slot = plan_meta[META_SLOT]``; nothing is written when the slot is outside ``[0, slots)``.
+``n`` is capped by ``T`` because planned rows are distinct rows of this step (so ``count <= T``),
+and that keeps the grid a function of ``x.shape[0]`` alone. A planned row outside ``[0, T)`` is a
+host bug; the kernel still stays in bounds and writes zeros with token id ``NO_TOKEN`` for it. The
+token id is also ``NO_TOKEN`` when ``row >= len(input_ids)`` or no ``input_ids`` is given.
+Entries ``r >= n`` of the slot are left as they were (the drain reads only ``count`` rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout as L
+from .common import HAVE_TRITON, from_f32, to_f32, tl, triton
+
+if HAVE_TRITON:
+    # Triton only lets @jit code read module globals that are constexpr.
+    _PLAN_ROW = tl.constexpr(L.PLAN_ROW)
+    _PLAN_REQ = tl.constexpr(L.PLAN_REQ)
+    _PLAN_POS = tl.constexpr(L.PLAN_POS)
+    _LABEL_FIELDS = tl.constexpr(L.LABEL_FIELDS)
+    _LABEL_REQ = tl.constexpr(L.LABEL_REQ)
+    _LABEL_POS = tl.constexpr(L.LABEL_POS)
+    _LABEL_TOKEN = tl.constexpr(L.LABEL_TOKEN)
+    _NO_TOKEN = tl.constexpr(L.NO_TOKEN)
+
+    @triton.jit
+    def gather_rows_tile(
+        x_ptr, res_ptr, ids_ptr, plan_ptr, ring_ptr, ring_labels_ptr,
+        n, slot, T, cap, ring_cap, W, n_ids,
+        stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
+        pid_r, pid_w,
+        HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        """Copy plan entries ``[pid_r*BLOCK_R, +BLOCK_R) & < n`` x columns ``[pid_w*BLOCK_W, +BLOCK_W)``.
+
+        ``n`` (already clamped) and ``slot`` (already range-checked) come from device memory, so
+        the same compiled kernel and grid serve every step of a captured graph. Labels are written
+        once per row, by the ``pid_w == 0`` column block.
+        """
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = r < n
+        row = tl.load(plan_ptr + _PLAN_ROW * cap + r, mask=rmask, other=-1)
+        row_ok = rmask & (row >= 0) & (row < T)
+        row64 = row.to(tl.int64)
+        cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+        cmask = cols < W
+        cols64 = cols.to(tl.int64)
+        lmask = row_ok[:, None] & cmask[None, :]
+        v = to_f32(tl.load(x_ptr + row64[:, None] * stride_xt + cols64[None, :] * stride_xw,
+                           mask=lmask, other=0.0))
+        if HAS_RES:
+            v += to_f32(tl.load(res_ptr + row64[:, None] * stride_rt + cols64[None, :] * stride_rw,
+                                mask=lmask, other=0.0))
+        dst = slot.to(tl.int64) * ring_cap + r.to(tl.int64)                  # ring row index
+        tl.store(ring_ptr + dst[:, None] * W + cols64[None, :],
+                 from_f32(v, ring_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+        if pid_w == 0:
+            req = tl.load(plan_ptr + _PLAN_REQ * cap + r, mask=rmask, other=0)
+            pos = tl.load(plan_ptr + _PLAN_POS * cap + r, mask=rmask, other=0)
+            tok = tl.load(ids_ptr + row64 * stride_ids, mask=row_ok & (row < n_ids), other=_NO_TOKEN)
+            lab = ring_labels_ptr + dst * _LABEL_FIELDS
+            tl.store(lab + _LABEL_REQ, req, mask=rmask)
+            tl.store(lab + _LABEL_POS, pos, mask=rmask)
+            tl.store(lab + _LABEL_TOKEN, tok.to(tl.int32), mask=rmask)
+
+
+def _token_ids(input_ids: torch.Tensor | None, rows: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """int32 token id of each row (``NO_TOKEN`` where ``~ok`` or out of the id buffer); no sync."""
+    if input_ids is None or input_ids.shape[0] == 0:
+        return torch.full_like(rows, L.NO_TOKEN, dtype=torch.int32)
+    n_ids = input_ids.shape[0]
+    ok = ok & (rows < n_ids)
+    tok = input_ids[rows.clamp(0, n_ids - 1)].to(torch.int32)
+    return torch.where(ok, tok, torch.full_like(tok, L.NO_TOKEN))
+
+
+def _rows_f32(x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x[rows] (+ residual[rows])``; ``rows`` must be in range."""
+    v = x[rows].to(torch.float32)
+    if residual is not None:
+        v = v + residual[rows].to(torch.float32)
+    return v
+
+
+def gather_rows_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    plan_meta: torch.Tensor,
+    plan: torch.Tensor,
+    ring: torch.Tensor,
+    ring_labels: torch.Tensor,
+    *,
+    enabled: bool | torch.Tensor = True,
+    allow_sync: bool | None = None,
+) -> None:
+    """Torch version of the ``MODE_ROWS`` gather (any device); a no-op unless the mode is ROWS.
+
+    ``enabled`` may be a 0-d bool tensor (``site[SITE_ENABLED] != 0``) so the caller needs no sync.
+    With ``allow_sync=False`` (the default off CPU) nothing reads device values on the host: every
+    decision is a device-side mask over the static ``min(T, cap, ring_cap)`` entries, so it is safe
+    under CUDA-graph capture. With ``allow_sync=True`` (default on CPU, where a "sync" is free) it
+    returns early when idle and only touches ``count`` entries.
+    """
+    if allow_sync is None:
+        allow_sync = x.device.type == "cpu"
+    T = x.shape[0]
+    cap = plan.shape[1]
+    slots, ring_cap = ring.shape[0], ring.shape[1]
+    n_max = min(T, cap, ring_cap)
+    if slots == 0 or n_max == 0:
+        return
+    mode = plan_meta[L.META_MODE]
+    count = plan_meta[L.META_COUNT]
+    slot = plan_meta[L.META_SLOT]
+    active = (mode == L.MODE_ROWS) & (slot >= 0) & (slot < slots) & enabled
+    if allow_sync:
+        if not bool(active):
+            return
+        n_max = min(n_max, max(0, int(count)))
+        if n_max == 0:
+            return
+    device = x.device
+    r = torch.arange(n_max, device=device)
+    live = active & (r < count)                                              # [n]
+    rows = plan[L.PLAN_ROW, :n_max].to(torch.int64)
+    row_ok = (rows >= 0) & (rows < T)
+    rows_c = rows.clamp(0, T - 1)
+    v = _rows_f32(x, residual, rows_c).masked_fill(~row_ok[:, None], 0.0)
+    slot_c = slot.to(torch.int64).clamp(0, slots - 1).expand(n_max)
+    # (slot, r) pairs are distinct, so index_put_ has no colliding writes; dead entries rewrite
+    # their old value, which keeps the whole update a device-side select.
+    ring.index_put_((slot_c, r), torch.where(live[:, None], v.to(ring.dtype), ring[slot_c, r]))
+    labels = torch.stack((plan[L.PLAN_REQ, :n_max], plan[L.PLAN_POS, :n_max],
+                          _token_ids(input_ids, rows_c, row_ok)), dim=1).to(torch.int32)
+    ring_labels.index_put_((slot_c, r), torch.where(live[:, None], labels, ring_labels[slot_c, r]))

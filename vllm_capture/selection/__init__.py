@@ -1,0 +1,26 @@
+"""Row selection: the SelectSpec where-clause and the per-step row planner (numpy + stdlib only)."""
+
+from .geometry import BatchGeometry
+from .planner import (
+    RequestTrack,
+    RowPlan,
+    SegmentPlan,
+    TokenCondition,
+    plan_rows,
+    plan_segments,
+)
+from .spec import PHASE_ALL, UNKNOWN_TOKEN, RowMatch, SelectSpec
+
+__all__ = [
+    "PHASE_ALL",
+    "UNKNOWN_TOKEN",
+    "BatchGeometry",
+    "RequestTrack",
+    "RowMatch",
+    "RowPlan",
+    "SegmentPlan",
+    "SelectSpec",
+    "TokenCondition",
+    "plan_rows",
+    "plan_segments",
+]

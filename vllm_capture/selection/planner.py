@@ -1,0 +1,328 @@
+"""Row planning: which activation rows of one step a stream captures, and with which labels.
+
+Pure host code (numpy), run once per stream per step before the forward pass; the resulting index
+arrays are uploaded to static device buffers the capture op reads, so planning is on the step path
+and stays vectorised (one numpy pass over the step's rows; Python loops are per request or per
+distinct clause, never per row).
+
+Each position of a request is planned at most once: a per-(stream, request) high-water mark
+(``RequestTrack.next_position``) skips positions the runner recomputes after preemption or that
+an earlier step already covered, so chunked prefill, preemption and requests joining mid-stream
+never duplicate or mislabel rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .geometry import BatchGeometry
+from .spec import RowMatch, SelectSpec
+
+__all__ = [
+    "RequestTrack",
+    "RowPlan",
+    "SegmentPlan",
+    "TokenCondition",
+    "plan_rows",
+    "plan_segments",
+]
+
+_UNCONDITIONAL = -1
+_NOT_PLANNED = -2
+
+
+@dataclass(eq=False)
+class RequestTrack:
+    """Mutable planner state of one request in one stream.
+
+    ``select=None`` captures every row; ``next_position`` is the high-water mark (positions below
+    it were already planned). The planners advance it to the end of the request's rows each step.
+    """
+
+    req_index: int
+    prompt_len: int
+    prompt_token_ids: tuple[int, ...] | None = None
+    select: SelectSpec | None = None
+    next_position: int = 0
+    _prompt_ids: tuple = field(default=(None, None), init=False, repr=False)
+
+    def __post_init__(self):
+        if self.prompt_len < 1:
+            raise ValueError(f"RequestTrack.prompt_len: must be >= 1, got {self.prompt_len}")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(
+                f"RequestTrack.prompt_token_ids: {len(self.prompt_token_ids)} ids for "
+                f"prompt_len={self.prompt_len}"
+            )
+        if self.select is not None:
+            if not isinstance(self.select, SelectSpec):
+                raise ValueError(
+                    "RequestTrack.select: expected a SelectSpec or None, "
+                    f"got {type(self.select).__name__}"
+                )
+            self.select = self.select.interned()
+
+    def prompt_ids_array(self) -> np.ndarray | None:
+        """``prompt_token_ids`` as an int64 array, converted once (prompts can be long)."""
+        source, array = self._prompt_ids
+        if source is not self.prompt_token_ids:
+            array = None if self.prompt_token_ids is None else np.asarray(
+                self.prompt_token_ids, dtype=np.int64
+            )
+            self._prompt_ids = (self.prompt_token_ids, array)
+        return array
+
+
+@dataclass(frozen=True)
+class TokenCondition:
+    """Deferred decision for a row whose token id the host did not know at planning time.
+
+    ``include=None`` means any token is included (the row was selected by position or phase).
+    """
+
+    include: frozenset[int] | None
+    exclude: frozenset[int] = frozenset()
+
+    def accepts(self, token_id: int) -> bool:
+        return (self.include is None or token_id in self.include) and token_id not in self.exclude
+
+    def accepts_array(self, token_ids: np.ndarray) -> np.ndarray:
+        """Vectorised ``accepts`` for the drain."""
+        token_ids = np.asarray(token_ids)
+        keep = ~np.isin(token_ids, list(self.exclude))
+        if self.include is not None:
+            keep &= np.isin(token_ids, list(self.include))
+        return keep
+
+
+@dataclass(frozen=True, eq=False)
+class RowPlan:
+    """Rows to gather this step (reduce="all"), ascending, with their labels.
+
+    ``condition[i]`` is -1 for a row kept unconditionally, else an index into ``conditions``: the
+    drain keeps the row iff ``conditions[c].accepts(token_id)``. ``dropped`` counts selected rows
+    (conditional ones included) cut by ``row_limit``.
+    """
+
+    rows: np.ndarray
+    req_index: np.ndarray
+    positions: np.ndarray
+    condition: np.ndarray
+    conditions: list[TokenCondition]
+    dropped: int
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentPlan:
+    """Per-request contiguous row segments to reduce this step (reduce="last"/"mean")."""
+
+    slot: np.ndarray
+    row_start: np.ndarray
+    row_count: np.ndarray
+    last_position: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class _Scan:
+    """Tracked requests of one step (geometry order) and their not-yet-planned rows."""
+
+    tracks: list[RequestTrack]
+    req: np.ndarray  # geometry index of each tracked request
+    first_row: np.ndarray  # first new row
+    num_new: np.ndarray  # new rows (0 when all were planned before)
+    first_position: np.ndarray  # position of the request's first row this step
+    row_start: np.ndarray  # first row of the request this step (new or not)
+    end_position: np.ndarray  # one past the request's last position this step
+
+    def advance(self) -> None:
+        for track, end in zip(self.tracks, self.end_position.tolist()):
+            if end > track.next_position:
+                track.next_position = end
+
+
+def _scan(geometry: BatchGeometry, tracks: dict[str, RequestTrack]) -> _Scan:
+    tracked = [(i, t) for i, rid in enumerate(geometry.req_ids) if (t := tracks.get(rid)) is not None]
+    req = np.fromiter((i for i, _ in tracked), dtype=np.int64, count=len(tracked))
+    next_position = np.fromiter(
+        (t.next_position for _, t in tracked), dtype=np.int64, count=len(tracked)
+    )
+    qsl = geometry.query_start_loc.astype(np.int64)
+    row_start, row_end = qsl[req], qsl[req + 1]
+    first_position = geometry.num_computed[req]
+    skip = np.clip(next_position - first_position, 0, row_end - row_start)
+    return _Scan(
+        tracks=[t for _, t in tracked],
+        req=req,
+        first_row=row_start + skip,
+        num_new=row_end - row_start - skip,
+        first_position=first_position,
+        row_start=row_start,
+        end_position=first_position + (row_end - row_start),
+    )
+
+
+def plan_rows(
+    geometry: BatchGeometry, tracks: dict[str, RequestTrack], row_limit: int
+) -> RowPlan:
+    """Plan the rows a reduce="all" stream gathers this step, and advance the tracks.
+
+    Only requests in ``tracks`` are planned. At most ``row_limit`` rows (the ring capacity) are
+    planned, lowest row indices first; the rest are counted in ``dropped``.
+    """
+    if row_limit < 0:
+        raise ValueError(f"row_limit must be >= 0, got {row_limit}")
+    scan = _scan(geometry, tracks)
+    num_new = scan.num_new
+    total = int(num_new.sum())
+    # New rows in ascending row order: ``owner`` indexes scan.tracks.
+    owner = np.repeat(np.arange(len(scan.tracks)), num_new)
+    offsets = np.cumsum(num_new) - num_new
+    rows = np.repeat(scan.first_row - offsets, num_new) + np.arange(total)
+    positions = scan.first_position[owner] + (rows - scan.row_start[owner])
+
+    prompt_len = np.fromiter(
+        (t.prompt_len for t in scan.tracks), dtype=np.int64, count=len(scan.tracks)
+    )[owner]
+    step = _StepRows(geometry, scan.tracks, owner, rows, positions, prompt_len)
+
+    status = np.full(total, _NOT_PLANNED, dtype=np.int32)
+    conditions: dict[TokenCondition, int] = {}
+    for spec, members in _group_by_clause(scan.tracks, owner):
+        if spec is None:
+            status[members] = _UNCONDITIONAL
+        else:
+            _plan_clause(spec, members, step, status, conditions)
+
+    planned = np.flatnonzero(status != _NOT_PLANNED)
+    dropped = max(0, planned.size - row_limit)
+    planned = planned[:row_limit]
+    condition = status[planned]
+    condition_list = list(conditions)
+    if condition_list:
+        condition, condition_list = _compact_conditions(condition, condition_list)
+    req_index = np.fromiter(
+        (t.req_index for t in scan.tracks), dtype=np.int32, count=len(scan.tracks)
+    )
+    scan.advance()
+    return RowPlan(
+        rows=rows[planned].astype(np.int32),
+        req_index=req_index[owner[planned]],
+        positions=positions[planned].astype(np.int32),
+        condition=condition,
+        conditions=condition_list,
+        dropped=dropped,
+    )
+
+
+def _group_by_clause(tracks: list[RequestTrack], owner: np.ndarray):
+    """Yield (clause, indices of new rows) per distinct clause; requests mostly share one."""
+    group_of: dict[SelectSpec | None, int] = {}
+    group = np.fromiter(
+        (group_of.setdefault(t.select, len(group_of)) for t in tracks),
+        dtype=np.int64,
+        count=len(tracks),
+    )
+    specs = list(group_of)
+    if len(specs) == 1:
+        yield specs[0], np.arange(owner.size)
+        return
+    row_group = group[owner]
+    # Stable: each request's rows stay contiguous and ascending inside its group.
+    order = np.argsort(row_group, kind="stable")
+    bounds = np.searchsorted(row_group[order], np.arange(len(specs) + 1))
+    for g, spec in enumerate(specs):
+        yield spec, order[bounds[g] : bounds[g + 1]]
+
+
+@dataclass(frozen=True, eq=False)
+class _StepRows:
+    """Per-new-row facts shared by every clause group of one ``plan_rows`` call."""
+
+    geometry: BatchGeometry
+    tracks: list[RequestTrack]
+    owner: np.ndarray  # index into tracks
+    rows: np.ndarray
+    positions: np.ndarray
+    prompt_len: np.ndarray
+
+
+def _plan_clause(spec: SelectSpec, members: np.ndarray, step: _StepRows, status, conditions):
+    """Fill ``status`` for the new rows ``members`` of requests sharing clause ``spec``."""
+    positions = step.positions[members]
+    prompt_len = step.prompt_len[members]
+    is_prompt = positions < prompt_len
+    prompt_rows, gen_rows = members[is_prompt], members[~is_prompt]
+    if prompt_rows.size and spec.covers_prompt:
+        tokens = step.geometry.token_ids[step.rows[prompt_rows]].astype(np.int64)
+        if spec.reads_prompt_tokens:
+            _host_prompt_tokens(tokens, prompt_rows, step)
+        match = spec.match_prompt(positions[is_prompt], prompt_len[is_prompt], tokens)
+        _record(match, prompt_rows, status, conditions)
+    if gen_rows.size and spec.covers_generation:
+        steps = positions[~is_prompt] - prompt_len[~is_prompt]
+        match = spec.match_generation(steps, step.geometry.token_ids[step.rows[gen_rows]])
+        _record(match, gen_rows, status, conditions)
+
+
+def _host_prompt_tokens(tokens: np.ndarray, prompt_rows: np.ndarray, step: _StepRows) -> None:
+    """Overwrite ``tokens`` with the tracks' own prompt ids where they have them.
+
+    Relies on each request's rows being one contiguous ascending run of ``prompt_rows``.
+    """
+    owners, starts, counts = np.unique(
+        step.owner[prompt_rows], return_index=True, return_counts=True
+    )
+    for o, start, count in zip(owners.tolist(), starts.tolist(), counts.tolist()):
+        ids = step.tracks[o].prompt_ids_array()
+        if ids is not None:
+            first = int(step.positions[prompt_rows[start]])
+            tokens[start : start + count] = ids[first : first + count]
+
+
+def _record(match: RowMatch, members, status, conditions) -> None:
+    status[members[match.keep]] = _UNCONDITIONAL
+    for mask, condition in (
+        (match.keep_unless_excluded, TokenCondition(None, match.exclude_tokens)),
+        (match.keep_if_included, TokenCondition(match.include_tokens, match.exclude_tokens)),
+    ):
+        if mask.any():
+            status[members[mask]] = conditions.setdefault(condition, len(conditions))
+
+
+def _compact_conditions(condition: np.ndarray, conditions: list[TokenCondition]):
+    """Drop conditions whose rows were all cut by the row limit, renumbering the rest."""
+    used = np.unique(condition[condition >= 0])
+    if used.size == len(conditions):
+        return condition, conditions
+    renumber = np.full(len(conditions), _UNCONDITIONAL, dtype=np.int32)
+    renumber[used] = np.arange(used.size, dtype=np.int32)
+    condition = np.where(condition >= 0, renumber[np.maximum(condition, 0)], condition)
+    return condition.astype(np.int32), [conditions[i] for i in used.tolist()]
+
+
+def plan_segments(
+    geometry: BatchGeometry, tracks: dict[str, RequestTrack], slots: dict[str, int]
+) -> SegmentPlan:
+    """Plan one reduction segment per tracked request with new rows, and advance the tracks.
+
+    Reductions take whole requests, so a clause (``select``) on a track is a caller bug.
+    """
+    scan = _scan(geometry, tracks)
+    for track in scan.tracks:
+        if track.select is not None:
+            raise ValueError("plan_segments: reduce='last'/'mean' streams take no select clause")
+    has_rows = np.flatnonzero(scan.num_new > 0)
+    req_ids = geometry.req_ids
+    try:
+        slot = [slots[req_ids[i]] for i in scan.req[has_rows].tolist()]
+    except KeyError as exc:
+        raise ValueError(f"plan_segments: no accumulator slot for request {exc.args[0]!r}") from None
+    scan.advance()
+    return SegmentPlan(
+        slot=np.asarray(slot, dtype=np.int32).reshape(-1),
+        row_start=scan.first_row[has_rows].astype(np.int32),
+        row_count=scan.num_new[has_rows].astype(np.int32),
+        last_position=(scan.end_position[has_rows] - 1).astype(np.int32),
+    )

@@ -1,0 +1,11 @@
+"""Capture stream names.
+
+The values travel in RPC payloads and status dicts, so they are plain
+strings that the client and the worker must spell identically.
+"""
+
+HIDDEN_STATES = "hidden_states"
+ATTENTION_HEADS = "attention_heads"
+ROUTER_LOGITS = "router_logits"
+
+COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS)

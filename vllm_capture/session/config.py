@@ -1,0 +1,151 @@
+"""Per-stream capture configuration, validated when a stream is enabled.
+
+Everything here arrives through an RPC from a client, so each field is
+checked up front with a message naming it: a bad value must fail
+``start_capture``, not a forward pass later.
+"""
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("vllm_capture")
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+_REDUCTIONS = ("all", "last", "mean")
+
+# The unbounded-capture warning is advice, not an alarm: capture_batches()
+# enables a stream per batch, and one notice per process is enough.
+_warned_unbounded = False
+
+
+def resolve_storage_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a user's storage dtype spelling to one the wire can carry.
+
+    Only float32, float16 and bfloat16 have a wire encoding, so anything else
+    is refused here rather than at fetch time.
+    """
+    if isinstance(name, torch.dtype):
+        dtype = name
+    elif isinstance(name, str):
+        key = name.strip().lower()
+        dtype = _STORAGE_DTYPES.get(key.removeprefix("torch."))
+    else:
+        dtype = None
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(
+            "dtype must be float32, float16 or bfloat16 (also fp32, fp16, half, "
+            f"bf16, 'torch.<name>' or a torch.dtype), got {name!r}"
+        )
+    return dtype
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class StreamConfig:
+    """Per-stream capture configuration.
+
+    Row selection uses the shared ``SelectSpec`` where-clause language
+    (``select``, its ``to_wire()`` dict) — the same clause semantics steering
+    resolves, so "which rows to capture" and "which tokens to steer" mean the
+    same thing. ``reduce`` applies a within-sample reduction ("all" | "last" |
+    "mean"); ``budget_rows`` caps the rows held per layer.
+    """
+
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        dtype: str | torch.dtype | None = None,
+        reduce: str = "all",
+        select: dict | None = None,
+        budget_rows: int | None = None,
+    ):
+        if not isinstance(reduce, str) or reduce not in _REDUCTIONS:
+            raise ValueError(f"reduce must be 'all', 'last' or 'mean', got {reduce!r}")
+        if reduce != "all" and select is not None:
+            raise ValueError(
+                "row selection cannot combine with the 'last'/'mean' "
+                "reductions; use reduce='all' with a select clause"
+            )
+        if select is not None:
+            select = _canonical_select(select)
+        if layers is not None:
+            if not isinstance(layers, (list, tuple, set, frozenset)) or not all(
+                _is_int(layer) and layer >= 0 for layer in layers
+            ):
+                raise ValueError(
+                    f"layers must be None or a list of nonnegative ints, got {layers!r}"
+                )
+            if not layers:
+                # An empty list would enable a stream that can never capture.
+                raise ValueError("layers must name at least one layer, or be None for all")
+        if budget_rows is not None and not (_is_int(budget_rows) and budget_rows >= 0):
+            raise ValueError(
+                f"budget_rows must be None or a nonnegative int, got {budget_rows!r}"
+            )
+        self.layers = set(layers) if layers is not None else None
+        self.dtype = resolve_storage_dtype(dtype) if dtype is not None else None
+        self.reduce = reduce
+        self.select = select
+        self.budget_rows = budget_rows
+        if reduce == "all" and select is None and budget_rows is None:
+            _warn_unbounded()
+
+    @property
+    def selects_rows(self) -> bool:
+        """Whether a source-side row selection (not a reduction) is set."""
+        return self.select is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Msgpack-safe summary that is also valid ``StreamConfig`` kwargs.
+
+        Status RPCs report it, and a client can re-enable an identical stream
+        from it.
+        """
+        return {
+            "layers": sorted(self.layers) if self.layers is not None else None,
+            "dtype": _DTYPE_NAMES[self.dtype] if self.dtype is not None else None,
+            "reduce": self.reduce,
+            "select": self.select,
+            "budget_rows": self.budget_rows,
+        }
+
+
+def _canonical_select(select: Any) -> dict:
+    """Validate at enable time instead of failing mid-forward."""
+    from vllm_capture.selection import SelectSpec
+
+    try:
+        return SelectSpec.from_wire(select).to_wire()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"select is not a valid SelectSpec wire dict: {exc}") from exc
+
+
+def _warn_unbounded() -> None:
+    global _warned_unbounded
+    if _warned_unbounded:
+        return
+    _warned_unbounded = True
+    logger.warning(
+        "Capture enabled with reduce='all', no select clause and "
+        "no budget_rows: every position of every request "
+        "accumulates in CPU memory. Prefer a select clause, a "
+        "reduction, or an explicit budget for long corpora."
+    )

@@ -1,0 +1,483 @@
+"""CaptureSession: one worker's streams, requests and step lifecycle.
+
+The engine glue calls, per real step: ``observe_scheduler_output`` (requests that joined, finished
+or were preempted), ``begin_step(geometry)`` (plan every enabled stream and upload the plans), the
+model forward (the op writes rows on the device), then ``end_step()`` (enqueue the drain). Drained
+rows reach the stores on a harvest thread, in step order, so the step path never waits for a copy.
+Request-finish markers travel through the same queue, so a finished request's label index is only
+recycled after every row of it has been stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_capture.kernels import layout as L
+from vllm_capture.selection import BatchGeometry, RequestTrack, SelectSpec, plan_rows, plan_segments
+from vllm_capture.session.components import COMPONENTS
+from vllm_capture.session.config import StreamConfig
+from vllm_capture.session.store import StreamStore
+
+logger = logging.getLogger("vllm_capture")
+
+# The key in SamplingParams.extra_args that carries a per-request selection.
+EXTRA_ARGS_KEY = "capture"
+
+
+@dataclass
+class RequestInfo:
+    """What the worker learns about a request when it is first scheduled."""
+
+    prompt_token_ids: tuple[int, ...]
+    # stream -> SelectSpec wire dict; "*" applies to every stream.
+    selects: dict[str, dict] = field(default_factory=dict)
+    num_cached: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class Stream:
+    """An enabled stream: its store, planner tracks and accumulator slots."""
+
+    component: str
+    config: StreamConfig
+    store: StreamStore
+    tracks: dict[str, RequestTrack] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)
+    slots: dict[str, int] = field(default_factory=dict)  # req_id -> accumulator slot
+    last_position: dict[str, int] = field(default_factory=dict)  # req_id -> last row's position
+
+    @property
+    def reduce_mode(self) -> int:
+        return {"all": L.MODE_ROWS, "last": L.MODE_LAST, "mean": L.MODE_MEAN}[self.config.reduce]
+
+
+@dataclass
+class _Drained:
+    stream: Stream
+    rows: Any  # DrainedRows
+    condition: np.ndarray | None
+    conditions: list
+
+
+@dataclass
+class _Reduced:
+    stream: Stream
+    req_ids: list[str]
+    req_index: list[int]
+    positions: list[int]
+    layers: dict  # layer_id -> (acc, labels, counts) host tensors
+    layer_names: dict[int, str]
+    dtypes: dict[int, torch.dtype]
+
+
+@dataclass
+class _Finish:
+    store: StreamStore
+    req_id: str
+
+
+class CaptureSession:
+    """Owns capture streams for one worker's model (see the spec's CaptureSession)."""
+
+    def __init__(self, graph_state=None, layouts: dict[str, dict[int, dict[str, int]]] | None = None):
+        self.graph_state = graph_state
+        self._layouts = layouts or {name: {} for name in COMPONENTS}
+        self._streams: dict[str, Stream | None] = dict.fromkeys(COMPONENTS)
+        self._requests: dict[str, RequestInfo] = {}
+        self._unsupported_requests: dict[str, str] = {}
+        self._step_executions_baseline: int | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
+                                           daemon=True)
+        self._harvester.start()
+        self._harvest_error: BaseException | None = None
+
+    # ---- components -----------------------------------------------------------------------------
+
+    def hooked_layers(self, stream: str) -> set[int]:
+        if self.graph_state is None:
+            return set()
+        return {s.layer_id for s in self.graph_state.sites_of(stream)}
+
+    # ---- stream control (RPCs) ------------------------------------------------------------------
+
+    def enable_stream(self, stream: str, **config_kwargs) -> None:
+        if stream not in self._streams:
+            raise ValueError(f"Unknown capture stream: {stream!r}; choose one of {list(COMPONENTS)}")
+        if self.graph_state is None or not self.graph_state.ready:
+            raise RuntimeError(
+                "Capture hooks are not attached to this model; attachment happens once at model "
+                "load (build the engine with vllm_capture.LLM or vllm_capture.engine_kwargs)."
+            )
+        config = StreamConfig(**config_kwargs)
+        available = self.hooked_layers(stream)
+        if not available:
+            raise ValueError(
+                f"stream {stream!r}: this model has no instrumented {stream} call sites "
+                f"(instrumented components: {[c for c in COMPONENTS if self.hooked_layers(c)]})"
+            )
+        if config.layers is not None and config.layers - available:
+            raise ValueError(
+                f"layers: {sorted(config.layers - available)} are not available for {stream!r}; "
+                f"available layers are {sorted(available)}"
+            )
+        self.disable_stream(stream)
+        st = Stream(stream, config, StreamStore(config))
+        st.free_slots = list(range(self.graph_state.acc_slots - 1, -1, -1))
+        self._streams[stream] = st
+        self.graph_state.set_enabled(stream, config.layers)
+
+    def disable_stream(self, stream: str) -> None:
+        if stream not in self._streams:
+            raise ValueError(f"Unknown capture stream: {stream!r}")
+        if self._streams[stream] is not None:
+            self.graph_state.set_enabled(stream, set())
+            self._wait_harvest()
+            self._streams[stream] = None
+
+    def fetch_stream(self, stream: str, clear: bool = True, layers: list[int] | None = None,
+                     req_ids: list[str] | None = None) -> dict[int, dict[str, Any]]:
+        st = self._streams.get(stream)
+        if st is None:
+            if stream not in self._streams:
+                raise ValueError(f"Unknown capture stream: {stream!r}")
+            return {}
+        if st.config.reduce != "all":
+            # Reductions of requests still open are finalized now (capture() fetches after
+            # generate() returned, when every request is done).
+            self._finalize(st, [r for r in list(st.slots)
+                                if req_ids is None or _matches_any(r, req_ids)])
+        self._wait_harvest()
+        store = st.store
+        if req_ids is not None:
+            result = store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear)
+        else:
+            result = store.serialize(layers=layers)
+            if clear:
+                if layers is None:
+                    store.clear()
+                else:
+                    store.drop_layers(list(result))
+        for layer, info in result.items():
+            layout = self._layouts.get(stream, {}).get(layer)
+            if layout:
+                info["layout"] = dict(layout)
+        return result
+
+    def clear_stream(self, stream: str) -> None:
+        st = self._streams.get(stream)
+        if st is not None:
+            self._wait_harvest()
+            st.store.clear()
+
+    def stream_status(self, stream: str) -> dict[str, Any]:
+        if stream not in self._streams:
+            raise ValueError(f"Unknown capture stream: {stream!r}")
+        gs = self.graph_state
+        execution = {
+            "layouts": {int(k): dict(v) for k, v in self._layouts.get(stream, {}).items()},
+            "graph_ready": bool(gs is not None and gs.ready),
+            "graph_buffer_bytes": 0 if gs is None else int(gs.buffer_bytes),
+            "graph_allocation_bytes": 0 if gs is None else int(gs.allocation_bytes),
+            "graph_replays": self.graph_replays(),
+            "eager_capture_forwards": self.eager_capture_forwards(),
+        }
+        st = self._streams[stream]
+        hooked = len(self.hooked_layers(stream))
+        if st is None:
+            return {"enabled": False, "hooked_layers": hooked, **execution}
+        self._wait_harvest()
+        store_status = st.store.status()
+        return {
+            "enabled": True,
+            "hooked_layers": hooked,
+            "layers_captured": store_status["layers_captured"],
+            "tokens_stored": store_status["tokens_stored"],
+            "tokens_dropped": store_status["tokens_dropped"],
+            "reduce": st.config.reduce,
+            "select": st.config.select,
+            "meta_complete": True,
+            "cache_elided_reqs": store_status["cache_elided_reqs"],
+            "failed_reqs": store_status["failed_reqs"],
+            "pending_reductions": len(st.slots),
+            **execution,
+        }
+
+    # ---- counters -------------------------------------------------------------------------------
+
+    def _reference_site(self):
+        gs = self.graph_state
+        if gs is None or not gs.sites:
+            return None
+        return min(gs.sites.values(), key=lambda s: (COMPONENTS.index(s.component), s.layer_id))
+
+    def eager_capture_forwards(self) -> int:
+        site = self._reference_site()
+        return 0 if site is None else site.eager_executions
+
+    def graph_replays(self) -> int:
+        """Forwards of real steps in which the capture kernel ran inside a replayed CUDA graph.
+
+        The device counts every launch of the reference site's kernel; launches made in eager
+        mode are counted on the host; the difference since the first real step are replays.
+        """
+        site = self._reference_site()
+        if site is None or self._step_executions_baseline is None:
+            return 0
+        executions = int(site.counter[L.SITE_EXECUTIONS].item())
+        return max(0, executions - self._step_executions_baseline - site.eager_executions)
+
+    # ---- request lifecycle ----------------------------------------------------------------------
+
+    def add_request(self, req_id: str, prompt_token_ids, sampling_params=None,
+                    num_computed_tokens: int = 0) -> None:
+        if req_id in self._requests:
+            return  # resumed after preemption: keep the original prompt length
+        info = RequestInfo(tuple(int(t) for t in (prompt_token_ids or ())),
+                           num_cached=int(num_computed_tokens))
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        raw = extra.get(EXTRA_ARGS_KEY)
+        if raw is not None:
+            try:
+                info.selects = _parse_request_selects(raw)
+            except ValueError as exc:
+                self._unsupported_requests[req_id] = f"invalid extra_args[{EXTRA_ARGS_KEY!r}]: {exc}"
+        if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
+            self._unsupported_requests[req_id] = "capture supports n=1 requests only"
+        self._requests[req_id] = info
+
+    def finish_requests(self, req_ids) -> None:
+        for req_id in req_ids:
+            for st in self._active_streams():
+                if req_id in st.slots:
+                    self._finalize(st, [req_id])
+                if req_id in st.tracks:
+                    del st.tracks[req_id]
+                    self._queue.put(_Finish(st.store, req_id))
+            self._requests.pop(req_id, None)
+            self._unsupported_requests.pop(req_id, None)
+
+    def _active_streams(self) -> list[Stream]:
+        return [st for st in self._streams.values() if st is not None]
+
+    def any_stream_enabled(self) -> bool:
+        return any(st is not None for st in self._streams.values())
+
+    @property
+    def step_open(self) -> bool:
+        return self.graph_state is not None and self.graph_state.step_active
+
+    # ---- per step -------------------------------------------------------------------------------
+
+    def begin_step(self, geometry: BatchGeometry) -> None:
+        gs = self.graph_state
+        if self._step_executions_baseline is None:
+            site = self._reference_site()
+            self._step_executions_baseline = (
+                0 if site is None else int(site.counter[L.SITE_EXECUTIONS].item()) - site.eager_executions)
+        self._step_conditions: dict[str, tuple] = {}
+        for st in self._active_streams():
+            self._open_tracks(st, geometry)
+            if st.config.reduce == "all":
+                plan = plan_rows(geometry, st.tracks, gs.capacity)
+                if plan.dropped:
+                    st.store.count_dropped(plan.dropped)
+                gs.upload_rows(st.component, plan.rows, plan.req_index, plan.positions)
+                self._step_conditions[st.component] = (
+                    plan.condition if plan.conditions else None, plan.conditions)
+            else:
+                seg = plan_segments(geometry, st.tracks, st.slots)
+                owners = {slot: rid for rid, slot in st.slots.items()}
+                req_index = np.array([st.tracks[owners[int(s)]].req_index for s in seg.slot],
+                                     dtype=np.int32)
+                for s, pos in zip(seg.slot.tolist(), seg.last_position.tolist()):
+                    st.last_position[owners[s]] = pos
+                gs.upload_segments(st.component, st.reduce_mode, seg.row_start, seg.row_count,
+                                   seg.slot, req_index)
+        gs.step_active = True
+
+    def end_step(self) -> None:
+        gs = self.graph_state
+        gs.step_active = False
+        if not any(self._streams.values()):
+            return
+        for drained in gs.drain():
+            st = self._streams[drained.component]
+            condition, conditions = self._step_conditions.get(drained.component, (None, []))
+            self._queue.put(_Drained(st, drained, condition, conditions))
+        gs.switch_off()
+
+    def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
+        """Create planner tracks for requests this stream sees for the first time."""
+        for i, req_id in enumerate(geometry.req_ids):
+            if req_id in st.tracks:
+                continue
+            info = self._requests.get(req_id)
+            if info is None:
+                continue  # warm-up or dummy request
+            reason = self._unsupported_requests.get(req_id)
+            select = None
+            if reason is None:
+                wire = info.selects.get(st.component, info.selects.get("*"))
+                if wire is not None and st.config.reduce != "all":
+                    reason = (f"a per-request selection cannot combine with reduce="
+                              f"{st.config.reduce!r} on stream {st.component!r}")
+                elif wire is not None:
+                    select = SelectSpec.from_wire(wire)
+                elif st.config.select is not None:
+                    select = SelectSpec.from_wire(st.config.select)
+            if reason is not None:
+                st.store.fail_request(req_id, reason)
+                continue
+            track = RequestTrack(req_index=st.store.request_index(req_id),
+                                 prompt_len=info.prompt_len,
+                                 prompt_token_ids=info.prompt_token_ids,
+                                 select=select, next_position=0)
+            first_position = int(geometry.num_computed[i])
+            if first_position > 0 and self._selects_missing(st, track, first_position):
+                st.store.mark_elided(req_id)
+            if st.config.reduce != "all":
+                if not st.free_slots:
+                    st.store.fail_request(
+                        req_id, f"more concurrent requests than reduce slots "
+                                f"({self.graph_state.acc_slots}); raise capture reduce_slots")
+                    continue
+                slot = st.free_slots.pop()
+                st.slots[req_id] = slot
+                self.graph_state.reset_acc_slots(st.component, [slot])
+            st.tracks[req_id] = track
+
+    def _selects_missing(self, st: Stream, track: RequestTrack, first_position: int) -> bool:
+        """Whether rows before ``first_position`` (never computed here) were wanted."""
+        if st.config.reduce == "last":
+            return False
+        if st.config.reduce == "mean":
+            return True
+        return selects_positions_below(track, first_position)
+
+    def _finalize(self, st: Stream, req_ids: list[str]) -> None:
+        """Turn the accumulators of ``req_ids`` into one stored row each (last/mean)."""
+        req_ids = [r for r in req_ids if r in st.slots]
+        if not req_ids:
+            return
+        gs = self.graph_state
+        slots = [st.slots[r] for r in req_ids]
+        sites = [s for s in gs.sites_of(st.component) if s.enabled]
+        layers = gs.read_acc_slots(st.component, slots)
+        positions = [st.last_position.get(r, -1) if st.config.reduce == "last" else -1
+                     for r in req_ids]
+        self._queue.put(_Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
+                                 layers, {s.layer_id: s.layer_name for s in sites},
+                                 {s.layer_id: s.dtype for s in sites}))
+        for r, slot in zip(req_ids, slots):
+            del st.slots[r]
+            st.last_position.pop(r, None)
+            st.free_slots.append(slot)
+
+    # ---- harvest thread -------------------------------------------------------------------------
+
+    def _wait_harvest(self) -> None:
+        self._queue.join()
+        if self._harvest_error is not None:
+            err, self._harvest_error = self._harvest_error, None
+            raise RuntimeError(f"capture harvest failed: {err!r}") from err
+
+    def _harvest_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if isinstance(item, _Drained):
+                    self._store_drained(item)
+                elif isinstance(item, _Reduced):
+                    self._store_reduced(item)
+                elif isinstance(item, _Finish):
+                    item.store.finish_request(item.req_id)
+            except BaseException as exc:  # surfaced at the next fetch/status
+                logger.exception("vllm-capture harvest failed")
+                self._harvest_error = exc
+            finally:
+                self._queue.task_done()
+
+    @staticmethod
+    def _store_drained(item: _Drained) -> None:
+        rows = item.rows
+        rows.wait()
+        keep = None
+        if item.condition is not None:
+            any_layer = next(iter(rows.layers.values()))
+            tokens = any_layer[1][:, 2].numpy()
+            keep = np.array([c < 0 or item.conditions[c].accepts(int(t))
+                             for c, t in zip(item.condition.tolist(), tokens.tolist())], dtype=bool)
+            keep = torch.from_numpy(keep)
+        for layer_id, (tensor, labels) in rows.layers.items():
+            if keep is not None:
+                tensor, labels = tensor[keep], labels[keep]
+            else:
+                # Copy out of pinned staging so the store never holds page-locked memory.
+                tensor, labels = tensor.clone(), labels.clone()
+            item.stream.store.append(layer_id, tensor, labels, rows.layer_names[layer_id])
+
+    @staticmethod
+    def _store_reduced(item: _Reduced) -> None:
+        mean = item.stream.config.reduce == "mean"
+        for layer_id, (acc, acc_labels, counts) in item.layers.items():
+            values = acc / counts.clamp(min=1).unsqueeze(1).to(acc.dtype) if mean else acc
+            values = values.to(item.dtypes[layer_id])
+            meta = torch.empty((len(item.req_ids), 3), dtype=torch.int32)
+            meta[:, 0] = torch.tensor(item.req_index, dtype=torch.int32)
+            meta[:, 1] = torch.tensor(item.positions, dtype=torch.int32)
+            meta[:, 2] = -1 if mean else acc_labels[:, 2]
+            empty = counts == 0
+            if bool(empty.any()):
+                values, meta = values[~empty], meta[~empty]
+            item.stream.store.append(layer_id, values, meta, item.layer_names[layer_id])
+
+
+def selects_positions_below(track: RequestTrack, stop: int) -> bool:
+    """Whether ``track``'s selection wants any position in ``[0, stop)``.
+
+    Reuses the planner on a synthetic one-request step covering those positions, so the answer
+    follows exactly the rules that plan real steps.
+    """
+    if stop <= 0:
+        return False
+    prompt = np.asarray(track.prompt_token_ids or (), dtype=np.int32)
+    token_ids = np.full(stop, -1, dtype=np.int32)
+    n = min(stop, len(prompt))
+    token_ids[:n] = prompt[:n]
+    geometry = BatchGeometry(
+        req_ids=("probe",),
+        query_start_loc=np.array([0, stop], dtype=np.int32),
+        num_computed=np.array([0], dtype=np.int64),
+        num_rows_padded=stop,
+        token_ids=token_ids,
+    )
+    probe = replace(track, next_position=0)
+    plan = plan_rows(geometry, {"probe": probe}, stop)
+    return len(plan.rows) > 0 or plan.dropped > 0
+
+
+def _parse_request_selects(raw) -> dict[str, dict]:
+    """``extra_args["capture"]``: a SelectSpec wire dict, or {stream: wire dict}."""
+    if not isinstance(raw, dict):
+        raise ValueError("expected a SelectSpec wire dict or {stream: SelectSpec wire dict}")
+    if raw and set(raw) <= set(COMPONENTS):
+        return {k: SelectSpec.from_wire(v).to_wire() for k, v in raw.items()}
+    return {"*": SelectSpec.from_wire(raw).to_wire()}
+
+
+def _matches_any(req_id: str, client_ids) -> bool:
+    from vllm_capture.session.wire import match_capture_request_id
+
+    return any(match_capture_request_id(req_id, c) for c in client_ids)
