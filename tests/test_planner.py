@@ -51,7 +51,8 @@ def test_mixed_batch_with_padding_and_an_untracked_request():
     assert plan.req_index.tolist() == [7, 9, 9, 9]
     assert plan.positions.tolist() == [6, 0, 1, 2]
     assert plan.condition.tolist() == [-1] * 4 and plan.conditions == [] and plan.dropped == 0
-    assert all(a.dtype == np.int32 for a in (plan.rows, plan.req_index, plan.positions, plan.condition))
+    arrays = (plan.rows, plan.req_index, plan.positions, plan.condition)
+    assert all(a.dtype == np.int32 for a in arrays)
     assert tracks["a"].next_position == 7 and tracks["c"].next_position == 3
 
 
@@ -75,7 +76,9 @@ def test_preemption_recompute_is_not_captured_twice():
 
 
 def test_unknown_decode_tokens_get_shared_conditions():
-    spec = SelectSpec(generation_tokens=[3], generation_positions=[0], exclude_generation_tokens=[2])
+    spec = SelectSpec(
+        generation_tokens=[3], generation_positions=[0], exclude_generation_tokens=[2]
+    )
     tracks = {r: RequestTrack(req_index=i, prompt_len=2, select=spec) for i, r in enumerate("abcd")}
     # Decode steps 0, 1, 1, 0: step 0 is included by position, step 1 only by token.
     geo = geometry({r: 1 for r in "abcd"}, num_computed=[2, 3, 3, 2], tokens=[-1, -1, 3, -1])
@@ -100,7 +103,10 @@ def test_row_limit_keeps_the_lowest_rows_and_counts_the_rest():
 
 def test_conditions_cut_by_the_row_limit_are_dropped_from_the_list():
     spec = SelectSpec(generation_tokens=[1])
-    tracks = {"a": RequestTrack(0, 2, select=SelectSpec.all()), "b": RequestTrack(1, 2, select=spec)}
+    tracks = {
+        "a": RequestTrack(0, 2, select=SelectSpec.all()),
+        "b": RequestTrack(1, 2, select=spec),
+    }
     plan = plan_rows(geometry({"a": 1, "b": 1}, [2, 2], tokens=[-1, -1]), tracks, 1)
     assert plan.rows.tolist() == [0] and plan.condition.tolist() == [-1]
     assert plan.conditions == [] and plan.dropped == 1
@@ -140,7 +146,8 @@ def test_segments_example():
 
 def test_segments_reject_clauses_and_missing_slots():
     with pytest.raises(ValueError, match="select"):
-        plan_segments(geometry({"a": 1}), {"a": RequestTrack(0, 2, select=SelectSpec.all())}, {"a": 0})
+        tracks = {"a": RequestTrack(0, 2, select=SelectSpec.all())}
+        plan_segments(geometry({"a": 1}), tracks, {"a": 0})
     with pytest.raises(ValueError, match="'a'"):
         plan_segments(geometry({"a": 1}), {"a": RequestTrack(0, 2)}, {})
 
@@ -438,7 +445,7 @@ def _expected(requests):
     return selected, every
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(sim=sim_requests(), row_limit=st.integers(0, 5))
 def test_random_schedules_match_the_reference(sim, row_limit):
     rng, requests = sim
@@ -493,7 +500,7 @@ def test_random_schedules_match_the_reference(sim, row_limit):
     assert planned <= every
 
 
-# ---- speed ----------------------------------------------------------------------------------------
+# ---- speed ----------------------------------------------------------------------------------
 
 
 def test_planning_a_large_step_is_fast():

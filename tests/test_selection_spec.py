@@ -112,12 +112,18 @@ def select_specs(draw) -> SelectSpec:
         ({"generation": "all", "exclude_prompt_positions": [0]}, "exclude_prompt_positions"),
         ({"generation_tokens": [1], "exclude_prompt_window": (0, 2)}, "exclude_prompt_window"),
         ({"prompt": "all", "exclude_generation_window": (0, 2)}, "exclude_generation_window"),
-        ({"prompt_positions": [0], "exclude_generation_positions": [0]}, "exclude_generation_positions"),
+        (
+            {"prompt_positions": [0], "exclude_generation_positions": [0]},
+            "exclude_generation_positions",
+        ),
         ({"prompt": "all", "exclude_generation_tokens": [0]}, "exclude_generation_tokens"),
         # Exclude twins are validated like their includes.
         ({"prompt": "all", "exclude_prompt_tokens": []}, "exclude_prompt_tokens"),
         ({"prompt": "all", "exclude_prompt_window": (4, 1)}, "exclude_prompt_window"),
-        ({"generation": "all", "exclude_generation_positions": [-2]}, "exclude_generation_positions"),
+        (
+            {"generation": "all", "exclude_generation_positions": [-2]},
+            "exclude_generation_positions",
+        ),
         ({"generation": "all", "exclude_generation_tokens": [False]}, "exclude_generation_tokens"),
     ],
 )
@@ -311,7 +317,11 @@ def test_generation_matching_with_known_tokens():
         # Only a token can include it.
         ({"generation_tokens": [4]}, [], [], [0, 1, 2, 3]),
         (
-            {"generation_tokens": [4], "generation_positions": [1], "exclude_generation_window": (3, None)},
+            {
+                "generation_tokens": [4],
+                "generation_positions": [1],
+                "exclude_generation_window": (3, None),
+            },
             [1],
             [],
             [0, 2],

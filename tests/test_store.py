@@ -162,6 +162,20 @@ def test_budget_drops_rows_of_the_tail_across_requests():
     assert store.tokens_dropped == 2
 
 
+def test_rows_dropped_upstream_count_with_budget_drops():
+    store = StreamStore(StreamConfig(budget_rows=1))
+    a = store.request_index("a")
+    store.count_dropped(3)
+    store.count_dropped(0)
+    store.append(0, *_rows(a, [0, 1]), "l0")
+    assert store.status()["tokens_dropped"] == 4
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="nonnegative"):
+            store.count_dropped(bad)
+    store.clear()
+    assert store.tokens_dropped == 0
+
+
 def test_zero_budget_stores_nothing_and_draining_frees_room():
     store = StreamStore(StreamConfig(budget_rows=0))
     a = store.request_index("a")
@@ -256,7 +270,8 @@ def test_dtype_conversion_on_append():
     wire = store.serialize()
     assert wire[0]["dtype"] == "torch.bfloat16"
     tensors, _ = deserialize_captured(wire)
-    assert torch.equal(tensors[0][:3].view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+    expected = values.to(torch.bfloat16)
+    assert torch.equal(tensors[0][:3].view(torch.int16), expected.view(torch.int16))
     assert torch.equal(tensors[0][3:], half.to(torch.bfloat16))
     assert store.status()["bytes_stored"] == 5 * WIDTH * 2 + 5 * 3 * 4
 
@@ -358,19 +373,25 @@ def test_clear_keeps_active_indices_and_releases_finished_ones():
     assert _fetch(store)[0] == {0: [("a", 1)]}
 
 
+def _labels(rows, dtype=torch.int32, columns=3):
+    return torch.zeros(rows, columns, dtype=dtype)
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
-        ((0, torch.zeros(2, WIDTH), torch.zeros(2, 3, dtype=torch.int64), "l"), "int32 \\[rows, 3\\]"),
-        ((0, torch.zeros(2, WIDTH), torch.zeros(2, 2, dtype=torch.int32), "l"), "int32 \\[rows, 3\\]"),
-        ((0, torch.zeros(3, WIDTH), torch.zeros(2, 3, dtype=torch.int32), "l"), "meta rows \\(2\\) != data rows \\(3\\)"),
-        ((0, torch.zeros(2), torch.zeros(2, 3, dtype=torch.int32), "l"), "2-D"),
-        ((0, torch.zeros(2, WIDTH, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.int32), "l"), "dtype"),
-        ((0, torch.zeros(2, WIDTH, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32), "l"), "dtype"),
-        ((-1, torch.zeros(2, WIDTH), torch.zeros(2, 3, dtype=torch.int32), "l"), "nonnegative"),
-        ((0, torch.zeros(2, WIDTH), torch.zeros(2, 3, dtype=torch.int32), None), "layer_name"),
-        ((0, torch.zeros(1, WIDTH), torch.tensor([[3, 0, 0]], dtype=torch.int32), "l"), "never assigned"),
-        ((0, torch.zeros(1, WIDTH), torch.tensor([[-1, 0, 0]], dtype=torch.int32), "l"), "never assigned"),
+        ((0, torch.zeros(2, WIDTH), _labels(2, torch.int64), "l"), r"int32 \[rows, 3\]"),
+        ((0, torch.zeros(2, WIDTH), _labels(2, columns=2), "l"), r"int32 \[rows, 3\]"),
+        ((0, torch.zeros(3, WIDTH), _labels(2), "l"), r"meta rows \(2\) != data rows \(3\)"),
+        ((0, torch.zeros(2), _labels(2), "l"), "2-D"),
+        ((0, torch.zeros(2, WIDTH, dtype=torch.float64), _labels(2), "l"), "dtype"),
+        ((0, torch.zeros(2, WIDTH, dtype=torch.int32), _labels(2), "l"), "dtype"),
+        ((-1, torch.zeros(2, WIDTH), _labels(2), "l"), "nonnegative"),
+        ((0, torch.zeros(2, WIDTH), _labels(2), None), "layer_name"),
+        ((0, torch.zeros(1, WIDTH), torch.tensor([[3, 0, 0]], dtype=torch.int32), "l"),
+         "never assigned"),
+        ((0, torch.zeros(1, WIDTH), torch.tensor([[-1, 0, 0]], dtype=torch.int32), "l"),
+         "never assigned"),
     ],
 )
 def test_append_rejects_malformed_rows(args, match):
@@ -445,7 +466,9 @@ def test_concurrent_appends_and_drains_return_every_row_exactly_once():
                     record(store.serialize(clear_selected=True))
                 else:
                     target = f"w{turn % appenders}r{turn % 2}q{turn % requests_per_thread}"
-                    record(store.serialize(req_ids=[target], layers=[turn % layers], clear_selected=True))
+                    record(store.serialize(
+                        req_ids=[target], layers=[turn % layers], clear_selected=True
+                    ))
                 store.status()
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)

@@ -323,7 +323,7 @@ def _broken_payloads(draw):
     return payload
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_broken_payloads())
 def test_broken_payloads_raise_value_error(payload):
     with pytest.raises(ValueError):
@@ -338,7 +338,8 @@ def _mangled_payloads(draw):
     layer = payload[layer_id]
     for _ in range(draw(st.integers(1, 3))):
         target = draw(st.sampled_from(["top", "meta"]))
-        holder = layer if target == "top" or not isinstance(layer.get("meta"), dict) else layer["meta"]
+        meta = layer.get("meta")
+        holder = meta if target == "meta" and isinstance(meta, dict) else layer
         key = draw(st.sampled_from(_TOP_KEYS if holder is layer else _META_KEYS))
         holder[key] = draw(_garbage)
     return payload

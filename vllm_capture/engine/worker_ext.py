@@ -92,8 +92,19 @@ def _patch_load_model() -> None:
     Worker.load_model = load_model
 
 
+def _share_vllm_log_handlers() -> None:
+    """Log through vLLM's handlers, so capture messages appear beside the engine's."""
+    ours, theirs = logging.getLogger("vllm_capture"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
 register_op()
 _patch_load_model()
+_share_vllm_log_handlers()
 
 
 class CaptureWorkerExtension:

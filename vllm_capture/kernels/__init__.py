@@ -12,6 +12,7 @@ from .capture import (
     BLOCK_R,
     BLOCK_T,
     BLOCK_W,
+    MEAN_SHORT,
     NUM_WARPS,
     capture_grid,
     capture_reference,
@@ -56,7 +57,7 @@ from .layout import (
 __all__ = [
     "layout", "launch_capture", "warmup", "capture_reference", "capture_grid",
     "gather_rows_reference", "accumulate_reference", "HAVE_TRITON",
-    "BLOCK_R", "BLOCK_W", "BLOCK_T", "NUM_WARPS",
+    "BLOCK_R", "BLOCK_W", "BLOCK_T", "MEAN_SHORT", "NUM_WARPS",
     "META_MODE", "META_COUNT", "META_SLOT", "META_FIELDS",
     "MODE_OFF", "MODE_ROWS", "MODE_LAST", "MODE_MEAN",
     "PLAN_ROW", "PLAN_REQ", "PLAN_POS", "PLAN_SEG_START", "PLAN_SEG_COUNT", "PLAN_SEG_SLOT",

@@ -21,11 +21,13 @@ requests; that keeps the grid a function of ``x.shape[0]`` alone. The host zeroe
 assigns it to a request and divides by ``acc_count`` at finalize; so several steps (chunked
 prefill, decode) accumulate into the same slot.
 
-Determinism: in the kernel, one program owns one (segment, column block) and walks the segment's
-rows in a fixed order: chunks of ``BLOCK_T`` rows, each chunk reduced by ``tl.sum`` (a fixed
-reduction tree for a given compiled kernel), chunk partials added in row order, and finally added
-to ``acc`` once. No atomics touch ``acc``, so eager and CUDA-graph runs of the same kernel are
-bit-identical. The torch reference sums in torch's own order (equal within fp32 rounding).
+Determinism: in the kernel, each (segment, column block) is summed by one program in an order
+fixed by the plan alone (see :func:`accumulate_segments_tile`: short segments sequentially over
+rows; long ones in ``BLOCK_T`` interleaved sequential partial sums reduced by a fixed ``tl.sum``
+tree), then added to ``acc`` once. No atomics touch ``acc``, and sizes are not specialised, so
+eager and CUDA-graph runs (any padded ``T``) of the same compiled variant are bit-identical. The torch reference sums with
+``index_put_(accumulate=True)``, deterministic on CPU and CUDA, in its own order (equal to the
+kernel within fp32 rounding).
 
 Segments of one step must have distinct slots and cover disjoint rows (one segment per request);
 the reference relies on disjointness to map rows to segments without a host sync.
@@ -36,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from . import layout as L
-from .common import HAVE_TRITON, to_f32, tl, triton
+from .common import HAVE_TRITON, load_rows_f32, tl, triton
 from .gather import _rows_f32, _token_ids
 
 if HAVE_TRITON:
@@ -55,8 +57,8 @@ if HAVE_TRITON:
         n, T, cap, n_acc, W, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         pid_r, pid_w,
-        IS_MEAN: tl.constexpr, HAS_RES: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+        IS_MEAN: tl.constexpr, HAS_RES: tl.constexpr, UNIT_W: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, SHORT: tl.constexpr,
     ):
         """Segments ``[pid_r*BLOCK_R, +BLOCK_R) & < n`` x columns ``[pid_w*BLOCK_W, +BLOCK_W)``.
 
@@ -64,55 +66,77 @@ if HAVE_TRITON:
         one of two inlined copies). Labels and counts are written by the ``pid_w == 0`` column
         block only; ``acc_count`` uses an atomic add so that it stays exact even if a buggy plan
         repeats a slot.
+
+        MODE_MEAN has two paths, chosen per segment from its row count alone (so the choice, and
+        hence the summation order, depends only on the plan, never on ``T`` or timing):
+
+        * ``cnt <= SHORT`` (decode, speculative decode): all such segments of the block advance
+          together, one row per segment per iteration, into a [BLOCK_R, BLOCK_W] accumulator:
+          a plain sequential sum over the rows, ``acc += ((r0 + r1) + r2) + ...``.
+        * ``cnt > SHORT`` (prefill chunks): one segment at a time; rows go ``BLOCK_T`` per
+          iteration into a [BLOCK_T, BLOCK_W] accumulator (row ``t`` into lane ``t % BLOCK_T``,
+          sequentially), reduced once at the end by ``tl.sum`` (a fixed tree). This keeps
+          ``BLOCK_T`` rows of loads in flight per iteration instead of one.
         """
         cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
         cmask = cols < W
         cols64 = cols.to(tl.int64)
+        s = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        smask = s < n
+        start = tl.load(plan_ptr + _SEG_START * cap + s, mask=smask, other=0)
+        cnt = tl.load(plan_ptr + _SEG_COUNT * cap + s, mask=smask, other=0)
+        slot = tl.load(plan_ptr + _SEG_SLOT * cap + s, mask=smask, other=-1)
+        ok = smask & (cnt > 0) & (start >= 0) & (start <= T - cnt) & (slot >= 0) & (slot < n_acc)
+        slot64 = slot.to(tl.int64)
         if IS_MEAN:
-            # One segment at a time, rows in a fixed order (see module docstring).
-            for j in range(BLOCK_R):
-                s = pid_r * BLOCK_R + j
-                if s < n:
-                    start = tl.load(plan_ptr + _SEG_START * cap + s)
-                    cnt = tl.load(plan_ptr + _SEG_COUNT * cap + s)
-                    slot = tl.load(plan_ptr + _SEG_SLOT * cap + s)
-                    ok = (cnt > 0) & (start >= 0) & (start <= T - cnt) & (slot >= 0) & (slot < n_acc)
-                    if ok:
-                        total = tl.zeros([BLOCK_W], dtype=tl.float32)
-                        for t0 in range(0, cnt, BLOCK_T):
-                            tt = t0 + tl.arange(0, BLOCK_T)
-                            rows64 = (start + tt).to(tl.int64)
-                            m = (tt < cnt)[:, None] & cmask[None, :]
-                            tile = to_f32(tl.load(x_ptr + rows64[:, None] * stride_xt
-                                                  + cols64[None, :] * stride_xw, mask=m, other=0.0))
-                            if HAS_RES:
-                                tile += to_f32(tl.load(res_ptr + rows64[:, None] * stride_rt
-                                                       + cols64[None, :] * stride_rw, mask=m, other=0.0))
-                            total += tl.sum(tile, axis=0)
-                        slot64 = slot.to(tl.int64)
-                        a_ptrs = acc_ptr + slot64 * W + cols64
-                        tl.store(a_ptrs, tl.load(a_ptrs, mask=cmask, other=0.0) + total, mask=cmask)
-                        if pid_w == 0:
-                            req = tl.load(plan_ptr + _SEG_REQ * cap + s)
-                            tl.store(acc_labels_ptr + slot64 * _LABEL_FIELDS + _LABEL_REQ, req)
-                            tl.atomic_add(acc_count_ptr + slot, cnt)
+            short = ok & (cnt <= SHORT)
+            n_steps = tl.max(tl.where(short, cnt, 0), axis=0)
+            if n_steps > 0:
+                total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
+                for i in range(0, n_steps):
+                    rows64 = (start + i).to(tl.int64)
+                    m = (short & (i < cnt))[:, None] & cmask[None, :]
+                    total += load_rows_f32(x_ptr, res_ptr, rows64[:, None], cols64[None, :], m,
+                                           stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
+                m = short[:, None] & cmask[None, :]
+                a_ptrs = acc_ptr + slot64[:, None] * W + cols64[None, :]
+                tl.store(a_ptrs, tl.load(a_ptrs, mask=m, other=0.0) + total, mask=m)
+                if pid_w == 0:
+                    req = tl.load(plan_ptr + _SEG_REQ * cap + s, mask=short, other=0)
+                    tl.store(acc_labels_ptr + slot64 * _LABEL_FIELDS + _LABEL_REQ, req, mask=short)
+                    tl.atomic_add(acc_count_ptr + slot, cnt, mask=short)
+            n_long = tl.sum((ok & (cnt > SHORT)).to(tl.int32), axis=0)
+            if n_long > 0:
+                for j in range(BLOCK_R):
+                    sj = pid_r * BLOCK_R + j
+                    if sj < n:
+                        st = tl.load(plan_ptr + _SEG_START * cap + sj)
+                        ct = tl.load(plan_ptr + _SEG_COUNT * cap + sj)
+                        sl = tl.load(plan_ptr + _SEG_SLOT * cap + sj)
+                        if (ct > SHORT) & (st >= 0) & (st <= T - ct) & (sl >= 0) & (sl < n_acc):
+                            part = tl.zeros([BLOCK_T, BLOCK_W], dtype=tl.float32)
+                            for t0 in range(0, ct, BLOCK_T):
+                                tt = t0 + tl.arange(0, BLOCK_T)
+                                rows64 = (st + tt).to(tl.int64)
+                                m = (tt < ct)[:, None] & cmask[None, :]
+                                part += load_rows_f32(x_ptr, res_ptr, rows64[:, None], cols64[None, :],
+                                                      m, stride_xt, stride_xw, stride_rt, stride_rw,
+                                                      HAS_RES, UNIT_W)
+                            sl64 = sl.to(tl.int64)
+                            a_ptrs = acc_ptr + sl64 * W + cols64
+                            tl.store(a_ptrs, tl.load(a_ptrs, mask=cmask, other=0.0) + tl.sum(part, axis=0),
+                                     mask=cmask)
+                            if pid_w == 0:
+                                req = tl.load(plan_ptr + _SEG_REQ * cap + sj)
+                                tl.store(acc_labels_ptr + sl64 * _LABEL_FIELDS + _LABEL_REQ, req)
+                                tl.atomic_add(acc_count_ptr + sl, ct)
         else:
             # One row per segment: BLOCK_R segments as one [BLOCK_R, BLOCK_W] tile.
-            s = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-            smask = s < n
-            start = tl.load(plan_ptr + _SEG_START * cap + s, mask=smask, other=0)
-            cnt = tl.load(plan_ptr + _SEG_COUNT * cap + s, mask=smask, other=0)
-            slot = tl.load(plan_ptr + _SEG_SLOT * cap + s, mask=smask, other=-1)
-            ok = smask & (cnt > 0) & (start >= 0) & (start <= T - cnt) & (slot >= 0) & (slot < n_acc)
             last = start + cnt - 1
             last64 = last.to(tl.int64)
-            slot64 = slot.to(tl.int64)
             m = ok[:, None] & cmask[None, :]
-            v = to_f32(tl.load(x_ptr + last64[:, None] * stride_xt + cols64[None, :] * stride_xw,
-                               mask=m, other=0.0))
-            if HAS_RES:
-                v += to_f32(tl.load(res_ptr + last64[:, None] * stride_rt + cols64[None, :] * stride_rw,
-                                    mask=m, other=0.0))
+            v = load_rows_f32(x_ptr, res_ptr, last64[:, None], cols64[None, :], m,
+                              stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
             tl.store(acc_ptr + slot64[:, None] * W + cols64[None, :], v, mask=m)
             if pid_w == 0:
                 req = tl.load(plan_ptr + _SEG_REQ * cap + s, mask=ok, other=0)
@@ -132,7 +156,7 @@ def _scatter_unique(dst: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, valu
     rewrite ``dst[idx[0]]`` with its own value.
     """
     shape = (-1,) + (1,) * (values.dim() - 1)
-    first = ok.to(torch.int32).argmax()
+    first = ok.to(torch.int32).argmax().view(1)  # 1-D index: t[0-d tensor] would sync (.item())
     final = torch.where(ok.view(shape), values.to(dst.dtype), dst[idx])
     dst.index_put_((torch.where(ok, idx, idx[first]),),
                    torch.where(ok.view(shape), final, final[first]))
@@ -206,7 +230,8 @@ def accumulate_reference(
         if residual is not None:
             v = v + residual.to(torch.float32)
         sums = torch.zeros(n_max + 1, x.shape[1], dtype=torch.float32, device=device)
-        sums.index_add_(0, row_seg, v)
-        acc.index_add_(0, slot_c, torch.where(ok_m[:, None], sums[1:], 0.0))
+        # index_put_(accumulate=True) is deterministic on CUDA (sort-based), unlike index_add_.
+        sums.index_put_((row_seg,), v, accumulate=True)
+        acc.index_put_((slot_c,), torch.where(ok_m[:, None], sums[1:], 0.0), accumulate=True)
         _scatter_unique(acc_labels[:, L.LABEL_REQ], slot_c, ok_m, req)
         acc_count.index_add_(0, slot_c, torch.where(ok_m, cnt, 0).to(acc_count.dtype))

@@ -41,9 +41,11 @@ from .gather import gather_rows_reference
 #: plan entries (rows, or segments) per program along grid axis 0.
 BLOCK_R = 16
 #: columns per program along grid axis 1.
-BLOCK_W = 128
-#: rows per chunk when summing a segment (MODE_MEAN); the chunk is reduced by tl.sum.
-BLOCK_T = 32
+BLOCK_W = 64
+#: rows in flight per iteration when summing a long segment (MODE_MEAN).
+BLOCK_T = 64
+#: MODE_MEAN segments of at most this many rows are summed together, one row per iteration.
+MEAN_SHORT = 16
 #: warps per program (no autotuning: a fixed, small configuration).
 NUM_WARPS = 4
 
@@ -70,7 +72,8 @@ if HAVE_TRITON:
         ring_ptr, ring_labels_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
         T, W, cap, ring_slots, ring_cap, acc_slots, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
-        HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+        HAS_RES: tl.constexpr, UNIT_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+        BLOCK_T: tl.constexpr, SHORT: tl.constexpr,
     ):
         """grid = (max(1, cdiv(min(T, cap), BLOCK_R)), max(1, cdiv(W, BLOCK_W))).
 
@@ -93,7 +96,7 @@ if HAVE_TRITON:
                         x_ptr, res_ptr, ids_ptr, plan_ptr, ring_ptr, ring_labels_ptr,
                         n, slot, T, cap, ring_cap, W, n_ids,
                         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
-                        pid_r, pid_w, HAS_RES, BLOCK_R, BLOCK_W)
+                        pid_r, pid_w, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W)
             elif (mode == _MODE_LAST) | (mode == _MODE_MEAN):
                 count = tl.load(meta_ptr + _META_COUNT)
                 n = tl.minimum(tl.maximum(count, 0), tl.minimum(T, cap))
@@ -103,13 +106,13 @@ if HAVE_TRITON:
                             x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
                             n, T, cap, acc_slots, W, n_ids,
                             stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
-                            pid_r, pid_w, False, HAS_RES, BLOCK_R, BLOCK_W, BLOCK_T)
+                            pid_r, pid_w, False, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W, BLOCK_T, SHORT)
                     else:
                         accumulate_segments_tile(
                             x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
                             n, T, cap, acc_slots, W, n_ids,
                             stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
-                            pid_r, pid_w, True, HAS_RES, BLOCK_R, BLOCK_W, BLOCK_T)
+                            pid_r, pid_w, True, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W, BLOCK_T, SHORT)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -236,6 +239,8 @@ def launch_capture(
     has_res = residual is not None
     res = residual if has_res else x
     stride_rt, stride_rw = (residual.stride(0), residual.stride(1)) if has_res else (0, 0)
+    # Column stride 1 (or a single column) in both tensors: compile-time contiguity (coalescing).
+    unit_w = W <= 1 or (x.stride(1) == 1 and (not has_res or residual.stride(1) == 1))
     if input_ids is None or input_ids.shape[0] == 0:
         ids, n_ids, stride_ids = plan_meta, 0, 0      # any int32 pointer; never dereferenced
     else:
@@ -244,7 +249,7 @@ def launch_capture(
         x, res, ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count,
         T, W, cap, slots, ring_cap, n_acc, n_ids,
         x.stride(0), x.stride(1), stride_rt, stride_rw, stride_ids,
-        HAS_RES=has_res, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T,
+        HAS_RES=has_res, UNIT_W=unit_w, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, SHORT=MEAN_SHORT,
         num_warps=NUM_WARPS,
     )
 
@@ -256,14 +261,18 @@ def warmup(
     x_dtypes: Iterable[torch.dtype] | None = None,
     ids_dtypes: Iterable[torch.dtype] = (torch.int32, torch.int64),
     residual: Iterable[bool] = (False, True),
+    strided_columns: bool = False,
 ) -> int:
     """JIT-compile the capture kernel before CUDA-graph capture; returns the number of launches.
 
     One launch per (ring storage dtype in ``dtypes``) x (activation dtype in ``x_dtypes``, default:
-    the same set) x (input-id dtype) x (with/without residual), on tiny dummy buffers with the mode
-    set to ROWS. These are exactly the kernel's compile-time variants: sizes, strides and view
-    pointers are not specialised, so real steps with any ``T`` reuse them. The site buffer is a
-    dummy, so no real replay counter moves. A no-op (returns 0) off CUDA or without Triton.
+    the same set; the residual is assumed to have the activation's dtype) x (input-id dtype) x
+    (with/without residual), on tiny dummy buffers with the mode set to ROWS, with unit column
+    stride (``x.stride(1) == 1``, what Inductor hands over in practice); ``strided_columns=True``
+    also compiles the generic-column-stride variants. These are all of the kernel's compile-time
+    variants: sizes, strides and view pointers are not specialised, so steps with any ``T`` reuse
+    them. The site buffer is a dummy, so no real replay counter moves. A no-op (returns 0) off
+    CUDA or without Triton.
     """
     device = torch.device(device)
     if not HAVE_TRITON or device.type != "cuda":
@@ -280,12 +289,15 @@ def warmup(
     for ring_dtype in dtypes:
         ring, ring_labels = L.new_ring_buffers(1, cap, W, ring_dtype, device)
         for x_dtype in x_dtypes:
-            x = torch.zeros(2, W, dtype=x_dtype, device=device)
-            for ids_dtype in ids_dtypes:
-                ids = torch.zeros(2, dtype=ids_dtype, device=device)
-                for with_res in residual:
-                    launch_capture(x, x if with_res else None, ids, plan_meta, plan, site, ring,
-                                   ring_labels, acc, acc_labels, acc_count, use_triton=True)
-                    launches += 1
+            xs = [torch.zeros(2, W, dtype=x_dtype, device=device)]
+            if strided_columns:
+                xs.append(torch.zeros(W, 2, dtype=x_dtype, device=device).t())
+            for x in xs:
+                for ids_dtype in ids_dtypes:
+                    ids = torch.zeros(2, dtype=ids_dtype, device=device)
+                    for with_res in residual:
+                        launch_capture(x, x if with_res else None, ids, plan_meta, plan, site, ring,
+                                       ring_labels, acc, acc_labels, acc_count, use_triton=True)
+                        launches += 1
     torch.cuda.synchronize(device)
     return launches

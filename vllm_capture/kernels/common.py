@@ -25,7 +25,7 @@ except ImportError:  # CPU-only install
     triton = None
     tl = None
     HAVE_TRITON = False
-    to_f32 = from_f32 = None
+    to_f32 = from_f32 = load_rows_f32 = None
 
 
 def interpreting() -> bool:
@@ -54,3 +54,25 @@ if HAVE_TRITON:
             return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             return v.to(DST)
+
+    @triton.jit
+    def load_rows_f32(x_ptr, res_ptr, rows64, cols64, mask,
+                      stride_xt, stride_xw, stride_rt, stride_rw,
+                      HAS_RES: tl.constexpr, UNIT_W: tl.constexpr):
+        """fp32 ``x[rows, cols] (+ residual[rows, cols])`` for a block (``rows64``/``cols64`` int64,
+        pre-shaped to broadcast, e.g. ``[R, 1]`` and ``[1, C]``).
+
+        ``UNIT_W`` (column stride 1 for both tensors, the common case) lets the compiler see that
+        columns are contiguous, so a warp's loads coalesce; the generic path multiplies by the
+        runtime column stride, which the compiler cannot prove to be 1.
+        """
+        if UNIT_W:
+            xo = cols64
+            ro = cols64
+        else:
+            xo = cols64 * stride_xw
+            ro = cols64 * stride_rw
+        v = to_f32(tl.load(x_ptr + rows64 * stride_xt + xo, mask=mask, other=0.0))
+        if HAS_RES:
+            v += to_f32(tl.load(res_ptr + rows64 * stride_rt + ro, mask=mask, other=0.0))
+        return v

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import layout as L
-from .common import HAVE_TRITON, from_f32, to_f32, tl, triton
+from .common import HAVE_TRITON, from_f32, load_rows_f32, tl, triton
 
 if HAVE_TRITON:
     # Triton only lets @jit code read module globals that are constexpr.
@@ -39,7 +39,7 @@ if HAVE_TRITON:
         n, slot, T, cap, ring_cap, W, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         pid_r, pid_w,
-        HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+        HAS_RES: tl.constexpr, UNIT_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         """Copy plan entries ``[pid_r*BLOCK_R, +BLOCK_R) & < n`` x columns ``[pid_w*BLOCK_W, +BLOCK_W)``.
 
@@ -56,11 +56,8 @@ if HAVE_TRITON:
         cmask = cols < W
         cols64 = cols.to(tl.int64)
         lmask = row_ok[:, None] & cmask[None, :]
-        v = to_f32(tl.load(x_ptr + row64[:, None] * stride_xt + cols64[None, :] * stride_xw,
-                           mask=lmask, other=0.0))
-        if HAS_RES:
-            v += to_f32(tl.load(res_ptr + row64[:, None] * stride_rt + cols64[None, :] * stride_rw,
-                                mask=lmask, other=0.0))
+        v = load_rows_f32(x_ptr, res_ptr, row64[:, None], cols64[None, :], lmask,
+                          stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
         dst = slot.to(tl.int64) * ring_cap + r.to(tl.int64)                  # ring row index
         tl.store(ring_ptr + dst[:, None] * W + cols64[None, :],
                  from_f32(v, ring_ptr.dtype.element_ty),

@@ -143,7 +143,9 @@ class _Scan:
 
 
 def _scan(geometry: BatchGeometry, tracks: dict[str, RequestTrack]) -> _Scan:
-    tracked = [(i, t) for i, rid in enumerate(geometry.req_ids) if (t := tracks.get(rid)) is not None]
+    tracked = [
+        (i, t) for i, rid in enumerate(geometry.req_ids) if (t := tracks.get(rid)) is not None
+    ]
     req = np.fromiter((i for i, _ in tracked), dtype=np.int64, count=len(tracked))
     next_position = np.fromiter(
         (t.next_position for _, t in tracked), dtype=np.int64, count=len(tracked)
@@ -318,10 +320,12 @@ def plan_segments(
     try:
         slot = [slots[req_ids[i]] for i in scan.req[has_rows].tolist()]
     except KeyError as exc:
-        raise ValueError(f"plan_segments: no accumulator slot for request {exc.args[0]!r}") from None
+        raise ValueError(
+            f"plan_segments: no accumulator slot for request {exc.args[0]!r}"
+        ) from None
     scan.advance()
     return SegmentPlan(
-        slot=np.asarray(slot, dtype=np.int32).reshape(-1),
+        slot=np.asarray(slot, dtype=np.int32),
         row_start=scan.first_row[has_rows].astype(np.int32),
         row_count=scan.num_new[has_rows].astype(np.int32),
         last_position=(scan.end_position[has_rows] - 1).astype(np.int32),

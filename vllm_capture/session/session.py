@@ -159,16 +159,9 @@ class CaptureSession:
             self._finalize(st, [r for r in list(st.slots)
                                 if req_ids is None or _matches_any(r, req_ids)])
         self._wait_harvest()
-        store = st.store
-        if req_ids is not None:
-            result = store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear)
-        else:
-            result = store.serialize(layers=layers)
-            if clear:
-                if layers is None:
-                    store.clear()
-                else:
-                    store.drop_layers(list(result))
+        # Serialize and remove under one store lock: rows the harvest thread appends meanwhile
+        # stay for the next fetch instead of being cleared unseen.
+        result = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear)
         for layer, info in result.items():
             layout = self._layouts.get(stream, {}).get(layer)
             if layout:
@@ -416,16 +409,16 @@ class CaptureSession:
         keep = None
         if item.condition is not None:
             any_layer = next(iter(rows.layers.values()))
-            tokens = any_layer[1][:, 2].numpy()
-            keep = np.array([c < 0 or item.conditions[c].accepts(int(t))
-                             for c, t in zip(item.condition.tolist(), tokens.tolist())], dtype=bool)
+            tokens = any_layer[1][:, L.LABEL_TOKEN].numpy()
+            keep = item.condition < 0
+            for c, condition in enumerate(item.conditions):
+                mine = item.condition == c
+                keep[mine] = condition.accepts_array(tokens[mine])
             keep = torch.from_numpy(keep)
         for layer_id, (tensor, labels) in rows.layers.items():
             if keep is not None:
                 tensor, labels = tensor[keep], labels[keep]
-            else:
-                # Copy out of pinned staging so the store never holds page-locked memory.
-                tensor, labels = tensor.clone(), labels.clone()
+            # append copies into memory the store owns, so pinned staging is released here.
             item.stream.store.append(layer_id, tensor, labels, rows.layer_names[layer_id])
 
     @staticmethod

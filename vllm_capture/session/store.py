@@ -73,9 +73,8 @@ class StreamStore:
         # Registration order; serialize() orders requests by it.
         self._first_seen: dict[int, int] = {}
         self._registrations = 0
-        # FIFO: the longest-released index is reused first, which keeps a
-        # late row for a just-released index from landing on a new request
-        # even if a caller breaks the finish_request contract by one step.
+        # FIFO: the longest-released index is reused first, so a just-released
+        # index is not handed out again while older free ones exist.
         self._free_request_indices: collections.deque[int] = collections.deque()
         self._next_request_index = 0
         self._finished: set[int] = set()
@@ -281,6 +280,18 @@ class StreamStore:
                 f"capture layer {layer_id} rows of dtype {tensor.dtype} cannot be "
                 "stored; expected float32, float16 or bfloat16 (or set dtype)"
             )
+
+    def count_dropped(self, count: int) -> None:
+        """Count rows lost before they reached the store (a full device ring).
+
+        They share ``tokens_dropped`` with budget drops because a client
+        cares that its sample is incomplete, not where it was cut; the
+        caller reports the cause.
+        """
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"dropped row count must be a nonnegative int, got {count!r}")
+        with self.lock:
+            self.tokens_dropped += count
 
     def _limit_rows(self, layer_id: int, count: int) -> int:
         budget = self.config.budget_rows

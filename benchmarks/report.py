@@ -1,0 +1,301 @@
+"""From measurements to figures: medians, ratios to the baseline, pass/fail lines, report files.
+
+Pure apart from the file writers (JSON, markdown, a matplotlib PNG); no torch, no vLLM.
+A measurement is one timed generate (one rep) as the engine worker reports it::
+
+    {"engine", "workload", "scenario", "rep", "gen_s", "fetch_s", "generated_tokens",
+     "prompt_tokens", "rows", "positions", "bytes", "dropped", "rows_expected", ...}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.scenarios import BASELINE
+
+GIB = float(1 << 30)
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _max(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def aggregate(reps: list[dict]) -> dict:
+    """Medians over the reps of one (engine, workload, scenario)."""
+    def per_rep(fn):
+        return [fn(r) for r in reps]
+
+    e2e = [r["gen_s"] + r.get("fetch_s", 0.0) for r in reps]
+    out = {
+        "reps": len(reps),
+        "gen_s": _median(per_rep(lambda r: r["gen_s"])),
+        "fetch_s": _median(per_rep(lambda r: r.get("fetch_s", 0.0))),
+        "tok_s": _median(per_rep(lambda r: r["generated_tokens"] / r["gen_s"])),
+        "tok_s_e2e": _median([r["generated_tokens"] / t for r, t in zip(reps, e2e)]),
+        "tok_s_all": _median(per_rep(lambda r: (r["generated_tokens"] + r.get("prompt_tokens", 0))
+                                     / r["gen_s"])),
+        "tok_s_reps": [round(r["generated_tokens"] / r["gen_s"], 1) for r in reps],
+        "rows": _median(per_rep(lambda r: r.get("rows", 0))),
+        "positions": _median(per_rep(lambda r: r.get("positions", 0))),
+        "bytes": _median(per_rep(lambda r: r.get("bytes", 0))),
+        "rows_s": _median([r.get("rows", 0) / t for r, t in zip(reps, e2e)]),
+        "gbps": _median([r.get("bytes", 0) / t / 1e9 for r, t in zip(reps, e2e)]),
+        "bytes_per_token": _median(per_rep(lambda r: r.get("bytes", 0) / r["generated_tokens"])),
+        "dropped": _max(per_rep(lambda r: r.get("dropped", 0))) or 0,
+        "rows_expected": reps[0].get("rows_expected") if reps else None,
+        "client_peak_rss": _max(per_rep(lambda r: r.get("client_peak_rss"))),
+        "engine_peak_rss": _max(per_rep(lambda r: r.get("engine_peak_rss"))),
+        "nvml_used": _max(per_rep(lambda r: r.get("nvml_used"))),
+        "graph_replays": _median(per_rep(lambda r: r.get("graph_replays"))),
+        "eager_forwards": _median(per_rep(lambda r: r.get("eager_forwards"))),
+    }
+    expected = out["rows_expected"]
+    out["complete"] = (out["dropped"] == 0 and (expected is None
+                                                or all(r.get("rows", 0) == expected for r in reps)))
+    return out
+
+
+def summarize(measurements: list[dict]) -> dict[str, dict[str, dict]]:
+    """``{workload: {scenario: aggregate + ratios}}``; ratios are to the baseline's generate-only
+    tok/s of the same workload (``ratio``: generate only, ``ratio_e2e``: generate + fetch)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    engines: dict[tuple[str, str], str] = {}
+    for m in measurements:
+        key = (m["workload"], m["scenario"])
+        groups.setdefault(key, []).append(m)
+        engines[key] = m["engine"]
+    table: dict[str, dict[str, dict]] = {}
+    for (workload, scenario), reps in groups.items():
+        agg = aggregate(sorted(reps, key=lambda r: r.get("rep", 0)))
+        agg["engine"] = engines[(workload, scenario)]
+        table.setdefault(workload, {})[scenario] = agg
+    for rows in table.values():
+        base = rows.get(BASELINE, {}).get("tok_s")
+        for agg in rows.values():
+            agg["ratio"] = agg["tok_s"] / base if base else None
+            agg["ratio_e2e"] = agg["tok_s_e2e"] / base if base else None
+    return table
+
+
+# ---- pass/fail -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    scenario: str
+    threshold: float
+    against: str | None = None  # None: ratio to vanilla; else tok/s ratio scenario / against
+
+
+CHECKS = (
+    Check("idle >= 0.99 x vanilla", "idle", 0.99),
+    Check("last-token all-layer hidden >= 0.97 x vanilla", "hidden-last", 0.97),
+    Check("4 layers all positions >= 0.90 x vanilla", "hidden-4l", 0.90),
+    Check("router logits all layers >= 0.95 x vanilla", "router-all", 0.95),
+    Check("graph capture >= 3x eager capture (stated for the 1B model)", "hidden-last", 3.0,
+          against="eager-hidden-last"),
+)
+HEAVY_RATIO, HEAVY_LINK_FRACTION = 0.5, 0.7
+
+
+def _line(name, workload, value, threshold, passed, detail=""):
+    return {"check": name, "workload": workload, "value": value, "threshold": threshold,
+            "passed": bool(passed), "detail": detail}
+
+
+def _incomplete(agg: dict) -> str:
+    if agg.get("complete", True):
+        return ""
+    return f"incomplete: {agg['dropped']} dropped, rows {agg['rows']} of {agg['rows_expected']}"
+
+
+def heavy_check(workload: str, agg: dict, base_tok_s: float | None, link_gbps: float | None) -> dict:
+    """Heavy capture passes at >= 0.5 x vanilla end to end, or, where keeping half of vanilla's pace
+    would need more than the measured pinned D2H bandwidth, at >= 70% of that bandwidth."""
+    ratio = agg.get("ratio_e2e")
+    demand = (agg["bytes_per_token"] * base_tok_s * HEAVY_RATIO / 1e9) if base_tok_s else None
+    link_bound = bool(link_gbps and demand and demand > link_gbps)
+    passed = ratio is not None and ratio >= HEAVY_RATIO
+    detail = f"needs {demand:.3g} GB/s at half vanilla pace" if demand else ""
+    if link_bound:
+        passed = passed or agg["gbps"] >= HEAVY_LINK_FRACTION * link_gbps
+        detail += (f"; link-bound: {agg['gbps']:.1f} GB/s vs {HEAVY_LINK_FRACTION:.0%} of "
+                   f"{link_gbps:.1f} GB/s pinned")
+    bad = _incomplete(agg)
+    return _line("heavy (all layers, all positions, fetched) >= 0.5 x vanilla or >= 70% of pinned D2H",
+                 workload, ratio, HEAVY_RATIO, passed and not bad, "; ".join(x for x in (detail, bad) if x))
+
+
+def evaluate(table: dict[str, dict[str, dict]], link_gbps: float | None) -> list[dict]:
+    """Every check on every workload that has its scenarios (end-to-end tok/s: rows in hand)."""
+    lines = []
+    for workload, rows in table.items():
+        for c in CHECKS:
+            agg = rows.get(c.scenario)
+            if agg is None:
+                continue
+            if c.against is None:
+                value = agg.get("ratio_e2e")
+            else:
+                other = rows.get(c.against)
+                if other is None or not other.get("tok_s_e2e"):
+                    continue
+                value = agg["tok_s_e2e"] / other["tok_s_e2e"]
+            if value is None:
+                continue
+            bad = _incomplete(agg)
+            detail = f"generate-only {agg['ratio']:.3f}" if c.against is None and agg.get("ratio") else ""
+            lines.append(_line(c.name, workload, value, c.threshold, value >= c.threshold and not bad,
+                               "; ".join(x for x in (detail, bad) if x)))
+        if "heavy" in rows:
+            base = rows.get(BASELINE, {}).get("tok_s")
+            lines.append(heavy_check(workload, rows["heavy"], base, link_gbps))
+    return lines
+
+
+def check_text(line: dict) -> str:
+    value = "n/a" if line["value"] is None else f"{line['value']:.3f}"
+    extra = f"  ({line['detail']})" if line["detail"] else ""
+    return (f"{'PASS' if line['passed'] else 'FAIL'}  {line['workload']:<12} {line['check']}: "
+            f"{value} (threshold {line['threshold']}){extra}")
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+def _f(value, fmt="{:.3f}", scale=1.0):
+    return "-" if value is None else fmt.format(value / scale)
+
+
+def engine_rows(engines: dict[str, dict]) -> list[dict]:
+    """Per engine: start-up, KV cache, capture buffers, GPU memory, and deltas to the baseline."""
+    base = engines.get("vanilla-graph", {})
+    out = []
+    for name, e in engines.items():
+        row = {"engine": name, **e}
+        for key in ("kv_cache_tokens", "nvml_used", "nvml_process"):
+            if e.get(key) is not None and base.get(key) is not None:
+                row[f"{key}_vs_vanilla"] = e[key] - base[key]
+        out.append(row)
+    return out
+
+
+def markdown(report: dict) -> str:
+    env, lines = report.get("env", {}), []
+    lines.append(f"# vllm-capture benchmark: suite `{report['suite']}`, model {report['model_label']}")
+    lines.append("")
+    lines.append(f"- date: {report['date']}; command: `{env.get('command', '')}`")
+    lines.append(f"- GPU: {env.get('gpu') or 'none'}; driver {env.get('driver') or '-'}; "
+                 f"versions: {env.get('versions', {})}")
+    d2h = report.get("d2h") or {}
+    lines.append(f"- pinned D2H bandwidth (this machine, this run): {_f(d2h.get('pinned_gbps'), '{:.1f}')} GB/s "
+                 f"(by size MiB: {d2h.get('by_size_gbps', {})}); pageable {_f(d2h.get('pageable_gbps'), '{:.1f}')} GB/s")
+    lines.append(f"- medians of {report.get('reps')} reps; ratios are to `vanilla` (CUDA graphs) of the "
+                 "same workload; e2e = generate + fetch_captured (rows in the client's hands)")
+    if report.get("dry_run"):
+        lines.append("- **dry run on CPU: every engine runs eagerly; thresholds are not meaningful**")
+    for workload, rows in report["table"].items():
+        lines.append("")
+        lines.append(f"## {workload}")
+        lines.append("")
+        lines.append("| scenario | engine | tok/s | ratio | tok/s e2e | ratio e2e | fetch s | rows/s | GB/s "
+                     "| B/token | rows (expected) | dropped | client peak RSS GiB | engine peak RSS GiB |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, a in rows.items():
+            expected = a.get("rows_expected")
+            rows_txt = f"{a['rows']:.0f}" + (f" ({expected})" if expected is not None else "")
+            if not a.get("complete", True):
+                rows_txt += " INCOMPLETE"
+            lines.append(
+                f"| {name} | {a['engine']} | {_f(a['tok_s'], '{:.0f}')} | {_f(a['ratio'])} "
+                f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} | {_f(a['fetch_s'])} "
+                f"| {_f(a['rows_s'], '{:.3g}')} | {_f(a['gbps'], '{:.2f}')} | {_f(a['bytes_per_token'], '{:.0f}')} "
+                f"| {rows_txt} | {a['dropped']} | {_f(a['client_peak_rss'], '{:.2f}', GIB)} "
+                f"| {_f(a['engine_peak_rss'], '{:.2f}', GIB)} |")
+    lines.append("")
+    lines.append("## Engines")
+    lines.append("")
+    lines.append("| engine | init s | KV cache tokens (vs vanilla) | capture buffers GiB (status) "
+                 "| NVML device used GiB (vs vanilla) | NVML our processes GiB (vs vanilla) | error |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for e in engine_rows(report.get("engines", {})):
+        def delta(key, scale=1.0, fmt="{:+.2f}"):
+            d = e.get(f"{key}_vs_vanilla")
+            return "" if d is None or e["engine"] == "vanilla-graph" else f" ({fmt.format(d / scale)})"
+        lines.append(
+            f"| {e['engine']} | {_f(e.get('init_s'), '{:.0f}')} "
+            f"| {_f(e.get('kv_cache_tokens'), '{:,.0f}')}{delta('kv_cache_tokens', 1.0, '{:+,.0f}')} "
+            f"| {_f(e.get('capture_allocation_bytes'), '{:.3f}', GIB)} "
+            f"| {_f(e.get('nvml_used'), '{:.2f}', GIB)}{delta('nvml_used', GIB)} "
+            f"| {_f(e.get('nvml_process'), '{:.2f}', GIB)}{delta('nvml_process', GIB)} "
+            f"| {(e.get('error') or '')[:120]} |")
+    lines.append("")
+    lines.append("## Checks")
+    lines.append("")
+    checks = report.get("checks") or []
+    lines.extend(f"- {check_text(c)}" for c in checks)
+    if not checks:
+        lines.append("- none evaluated")
+    if report.get("skipped"):
+        lines.append("")
+        lines.append("## Skipped")
+        lines.append("")
+        lines.extend(f"- {s['engine']} / {s['workload']} / {s['scenario']}: {s['reason']}"
+                     for s in report["skipped"])
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Bar chart of end-to-end tok/s ratio to vanilla per scenario, one bar per workload."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    table = report["table"]
+    workloads = list(table)
+    scenarios = []
+    for rows in table.values():
+        scenarios += [s for s in rows if s not in scenarios]
+    if not scenarios:
+        return False
+    width = 0.8 / max(1, len(workloads))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(scenarios) + 2), 4.5))
+    for i, w in enumerate(workloads):
+        xs = [j + (i - (len(workloads) - 1) / 2) * width for j in range(len(scenarios))]
+        ys = [(table[w].get(s) or {}).get("ratio_e2e") or 0.0 for s in scenarios]
+        ax.bar(xs, ys, width=width, label=w)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(scenarios)))
+    ax.set_xticklabels(scenarios, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("tok/s ratio to vanilla (generate + fetch)")
+    ax.set_title(f"vllm-capture {report['suite']}: {report['model_label']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+REPORT_FILES = ("results.json", "results.md", "tok_s_ratio.png", "engines.log")
+
+
+def write(report: dict, out_dir: Path) -> list[Path]:
+    """Write the JSON, the markdown and the plot into ``out_dir``; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.md"]
+    paths[0].write_text(json.dumps(report, indent=1, default=str))
+    paths[1].write_text(markdown(report))
+    png = out_dir / "tok_s_ratio.png"
+    if plot(report, png):
+        paths.append(png)
+    return paths

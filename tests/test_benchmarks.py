@@ -1,0 +1,294 @@
+"""The benchmark suite's pure parts: scenario data, planning, time budget, ratios, checks, files."""
+
+import json
+import re
+
+import pytest
+
+from benchmarks import report as R
+from benchmarks import scenarios as S
+from benchmarks.run import parse_kv_cache_tokens, results_dir
+
+
+# ---- scenario data ---------------------------------------------------------------------------
+
+def test_model_configs_have_the_real_shapes():
+    c8 = S.MODELS["8b"].config()
+    assert (c8["hidden_size"], c8["num_hidden_layers"], c8["num_attention_heads"],
+            c8["num_key_value_heads"], c8["intermediate_size"], c8["vocab_size"]) == \
+        (4096, 32, 32, 8, 14336, 128256)
+    c1 = S.MODELS["1b"].config()
+    assert (c1["hidden_size"], c1["num_hidden_layers"], c1["num_key_value_heads"],
+            c1["intermediate_size"]) == (2048, 16, 8, 8192)
+    moe = S.MODELS["moe"].config()
+    assert moe["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (moe["hidden_size"], moe["num_hidden_layers"], moe["num_attention_heads"],
+            moe["num_key_value_heads"], moe["head_dim"], moe["num_experts"],
+            moe["num_experts_per_tok"], moe["moe_intermediate_size"], moe["vocab_size"]) == \
+        (2048, 48, 32, 4, 128, 128, 8, 768, 151936)
+    assert "num_experts" not in c8
+    json.dumps(moe)  # config.json must serialize
+
+
+def test_widths_per_stream():
+    m = S.MODELS["moe"]
+    assert m.width(S.HIDDEN) == 2048 and m.width(S.HEADS) == 4096 and m.width(S.ROUTER) == 128
+
+
+@pytest.mark.parametrize("n, want", [(32, [0, 10, 21, 31]), (16, [0, 5, 10, 15]), (4, [0, 1, 2, 3]),
+                                     (2, [0, 1]), (48, [0, 16, 31, 47])])
+def test_spread_layers(n, want):
+    assert S.spread_layers(n) == want
+
+
+def test_workload_rows_and_names():
+    w = S.decode(64)
+    assert (w.name, w.prompt_len, w.new_tokens, w.generated_tokens) == ("decode-c64", 32, 256, 64 * 256)
+    assert w.positions_per_request == 32 + 255  # the last sampled token is never fed back
+    p = S.prefill(256)
+    assert (p.name, p.prompt_len, p.new_tokens) == ("prefill-c256", 2048, 8)
+
+
+def test_capture_expected_rows_and_bytes():
+    shape, w = S.MODELS["8b"], S.decode(64)
+    last = S.SCENARIOS["hidden-last"].capture
+    assert last.rows_per_layer(w) == 64 and last.num_layers(shape) == 32
+    assert last.expected_bytes(shape, w) == 64 * 32 * 4096 * 2
+    four = S.SCENARIOS["hidden-4l"].capture
+    assert four.layer_ids(shape) == [0, 10, 21, 31]
+    assert four.expected_bytes(shape, w) == 64 * 287 * 4 * 4096 * 2
+    assert S.SCENARIOS["router-all"].capture.expected_bytes(S.MODELS["moe"], w) == 64 * 287 * 48 * 128 * 4
+
+
+def test_every_capture_scenario_has_an_eager_twin():
+    graph = {n for n, s in S.SCENARIOS.items() if s.engine == "capture-graph" and s.capture}
+    for n in graph:
+        twin = S.SCENARIOS[f"eager-{n}"]
+        assert twin.engine == "capture-eager" and twin.capture == S.SCENARIOS[n].capture
+
+
+# ---- suites and plans ------------------------------------------------------------------------
+
+def test_quick_suite():
+    suite = S.make_suite("quick")
+    shape = S.MODELS[suite.model]
+    assert suite.model == "1b" and [w.name for w in suite.workloads] == ["decode-c64"]
+    assert suite.engines_for(shape) == ["vanilla-graph", "capture-graph", "capture-eager"]
+    names = [s.name for s in suite.scenarios_for(shape)]
+    assert names == ["vanilla", "idle", "hidden-last", "hidden-4l", "eager-hidden-last", "eager-hidden-4l"]
+
+
+def test_full_suite_moe_only_router_and_eager_trim():
+    suite = S.make_suite("full", "8b")
+    assert "router-all" not in [s.name for s in suite.scenarios_for(S.MODELS["8b"])]
+    assert "router-all" in [s.name for s in suite.scenarios_for(S.MODELS["moe"])]
+    assert [w.name for w in suite.workloads_for("capture-eager")] == ["decode-c64", "prefill-c64"]
+    assert len(suite.workloads_for("capture-graph")) == len(suite.workloads)
+    assert suite.workloads[0].name == "decode-c64"  # the first workload always runs
+    assert suite.max_model_len >= 2048 + 8 and suite.max_num_seqs == 256
+
+
+def test_plan_skips_captures_over_the_host_cap():
+    suite = S.make_suite("full", "8b")
+    plan, skips = S.plan_engine(suite, S.MODELS["8b"], "capture-graph")
+    planned = {(w.name, s.name) for w, scens in plan for s in scens}
+    assert ("decode-c64", "heavy") in planned  # 4.8 GB
+    assert ("prefill-c64", "heavy") not in planned  # 34 GB
+    assert {(s["workload"], s["scenario"]) for s in skips} == {("prefill-c64", "heavy"),
+                                                              ("decode-c256", "heavy")}
+    assert all("host cap" in s["reason"] for s in skips)
+
+
+def test_engine_kwargs_differ_only_where_they_must():
+    suite, shape = S.make_suite("full", "8b"), S.MODELS["8b"]
+    van, cap, eag = (S.engine_kwargs(suite, shape, e) for e in ("vanilla-graph", "capture-graph", "capture-eager"))
+    assert van["load_format"] == "dummy" and "enforce_eager" not in van and "capture_buffer_bytes" not in van
+    assert {k: v for k, v in cap.items() if k != "capture_buffer_bytes"} == van
+    assert eag["enforce_eager"] is True
+    # the ring holds a full step of rows at every call site of every component
+    per_row = 32 * (4096 * 2 + 12) * 2 * 2
+    assert cap["capture_buffer_bytes"] >= per_row * suite.max_num_batched_tokens
+    cpu = S.make_suite("tiny-cpu")
+    kw = S.engine_kwargs(cpu, S.MODELS["tiny"], "vanilla-graph")
+    assert kw["enforce_eager"] is True and "gpu_memory_utilization" not in kw and "load_format" not in kw
+
+
+def test_select_engines_and_workloads():
+    suite = S.select(S.make_suite("full", "8b"), engines="vanilla-graph,capture-graph",
+                     workloads="decode-c64")
+    assert suite.engines_for(S.MODELS["8b"]) == ["vanilla-graph", "capture-graph"]
+    assert [w.name for w in suite.workloads] == ["decode-c64"]
+    with pytest.raises(ValueError, match="--engines"):
+        S.select(suite, engines="nope")
+    with pytest.raises(ValueError, match="--workloads"):
+        S.select(suite, workloads="decode-c3")
+
+
+def test_make_suite_rejects_unknown():
+    with pytest.raises(ValueError):
+        S.make_suite("huge")
+
+
+# ---- time budget -----------------------------------------------------------------------------
+
+def test_engine_deadline_keeps_startups_and_shares_the_rest():
+    # 300 s left; two engines start in 50 s each; 200 s shared 1:3
+    d = S.engine_deadline(0.0, 300.0, [50.0, 50.0], [1.0, 3.0])
+    assert d == pytest.approx(50.0 + 200.0 * 0.25)
+    # no spare time: the deadline is the start-up alone
+    assert S.engine_deadline(0.0, 60.0, [50.0, 50.0], [1.0, 1.0]) == pytest.approx(50.0)
+
+
+def test_engine_weight_counts_generates():
+    suite, shape = S.make_suite("quick"), S.MODELS["1b"]
+    assert S.engine_weight(suite, shape, "vanilla-graph") == 1 * (1 + 3 * 1)
+    assert S.engine_weight(suite, shape, "capture-graph") == 1 * (1 + 3 * 3)
+    assert S.engine_weight(suite, shape, "capture-eager") == 3.0 * (1 + 3 * 2)
+
+
+def test_workload_fits():
+    assert S.workload_fits(0.0, 100.0, 10.0, 10)
+    assert not S.workload_fits(0.0, 100.0, 10.0, 11)
+
+
+def test_layer_groups():
+    assert S.layer_groups(list(range(8)), 100, 1000) == [None]
+    assert S.layer_groups(list(range(8)), 300, 1000) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert S.layer_groups(list(range(3)), 5000, 1000) == [[0], [1], [2]]
+
+
+# ---- ratios and checks -----------------------------------------------------------------------
+
+def _m(scenario, tok_s, reps=(0, 1), fetch_s=0.0, engine=None, workload="decode-c64", **kw):
+    out = []
+    for rep in reps:
+        gen_tokens = 1000
+        out.append({"engine": engine or S.SCENARIOS[scenario].engine, "workload": workload,
+                    "scenario": scenario, "rep": rep, "gen_s": gen_tokens / tok_s, "fetch_s": fetch_s,
+                    "generated_tokens": gen_tokens, "prompt_tokens": 100, **kw})
+    return out
+
+
+def test_aggregate_medians():
+    reps = [{"gen_s": s, "fetch_s": 0.5, "generated_tokens": 100, "rows": 10, "bytes": 1e9,
+             "rows_expected": 10, "dropped": 0} for s in (1.0, 2.0, 4.0)]
+    a = R.aggregate(reps)
+    assert a["reps"] == 3 and a["tok_s"] == 50.0 and a["gen_s"] == 2.0
+    assert a["tok_s_e2e"] == pytest.approx(100 / 2.5)
+    assert a["gbps"] == pytest.approx(1 / 2.5) and a["bytes_per_token"] == 1e7
+    assert a["complete"] is True
+    reps[1]["rows"] = 9
+    assert R.aggregate(reps)["complete"] is False
+    reps[1]["rows"], reps[2]["dropped"] = 10, 3
+    assert R.aggregate(reps)["complete"] is False and R.aggregate(reps)["dropped"] == 3
+
+
+def test_summarize_ratios_to_vanilla_of_the_same_workload():
+    ms = (_m("vanilla", 1000.0) + _m("idle", 995.0) + _m("hidden-4l", 950.0, fetch_s=0.1)
+          + _m("vanilla", 500.0, workload="prefill-c64") + _m("idle", 250.0, workload="prefill-c64"))
+    t = R.summarize(ms)
+    assert t["decode-c64"]["idle"]["ratio"] == pytest.approx(0.995)
+    four = t["decode-c64"]["hidden-4l"]
+    assert four["ratio"] == pytest.approx(0.95)
+    assert four["ratio_e2e"] == pytest.approx((1000 / (1000 / 950 + 0.1)) / 1000)
+    assert t["prefill-c64"]["idle"]["ratio"] == pytest.approx(0.5)
+    assert t["decode-c64"]["vanilla"]["engine"] == "vanilla-graph"
+
+
+def test_summarize_without_baseline_gives_no_ratio():
+    t = R.summarize(_m("idle", 900.0))
+    assert t["decode-c64"]["idle"]["ratio"] is None
+
+
+def _checks(ms, link=None):
+    return {(c["check"].split()[0], c["workload"]): c for c in R.evaluate(R.summarize(ms), link)}
+
+
+def test_checks_thresholds():
+    ms = (_m("vanilla", 1000.0) + _m("idle", 991.0) + _m("hidden-last", 960.0)
+          + _m("hidden-4l", 905.0) + _m("eager-hidden-last", 300.0))
+    c = _checks(ms)
+    assert c[("idle", "decode-c64")]["passed"]
+    assert not c[("last-token", "decode-c64")]["passed"]  # 0.96 < 0.97
+    assert c[("4", "decode-c64")]["passed"]
+    graph = c[("graph", "decode-c64")]
+    assert graph["value"] == pytest.approx(3.2) and graph["passed"]
+    assert ("router", "decode-c64") not in c  # not measured, not evaluated
+
+
+def test_checks_fail_on_incomplete_rows():
+    ms = _m("vanilla", 1000.0) + _m("hidden-4l", 990.0, rows=5, rows_expected=10)
+    line = _checks(ms)[("4", "decode-c64")]
+    assert not line["passed"] and "incomplete" in line["detail"]
+
+
+def test_heavy_check_ratio_or_link_bound():
+    # 1000 tok/s vanilla; heavy delivers 1e6 B/token -> needs 0.5 GB/s at half pace
+    base = _m("vanilla", 1000.0)
+    ok = _checks(base + _m("heavy", 600.0, bytes=1e9), link=50.0)[("heavy", "decode-c64")]
+    assert ok["passed"] and "link-bound" not in ok["detail"]
+    slow = _checks(base + _m("heavy", 300.0, bytes=1e9), link=50.0)[("heavy", "decode-c64")]
+    assert not slow["passed"]
+    # 1e9 B/token: half of vanilla's pace would need 500 GB/s > the 50 GB/s link -> link rule
+    heavy = _m("heavy", 40.0, bytes=1e12)  # 40 tok/s x 1e9 B = 40 GB/s = 80% of the link
+    bound = _checks(base + heavy, link=50.0)[("heavy", "decode-c64")]
+    assert "link-bound" in bound["detail"] and bound["passed"]
+    weak = _checks(base + _m("heavy", 20.0, bytes=1e12), link=50.0)[("heavy", "decode-c64")]
+    assert not weak["passed"]
+
+
+def test_check_text():
+    line = {"check": "idle >= 0.99 x vanilla", "workload": "decode-c64", "value": 0.98,
+            "threshold": 0.99, "passed": False, "detail": ""}
+    assert R.check_text(line).startswith("FAIL  decode-c64")
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+def _report(ms):
+    table = R.summarize(ms)
+    return {"suite": "quick", "model": "1b", "model_label": "Llama-3.2-1B", "date": "20260101-000000",
+            "dry_run": False, "reps": 2, "env": {"command": "python3 benchmarks/run.py --suite quick"},
+            "d2h": {"pinned_gbps": 54.6, "by_size_gbps": {"64": 50.0}, "pageable_gbps": 12.0},
+            "engines": {"vanilla-graph": {"init_s": 80.0, "kv_cache_tokens": 1000, "nvml_used": 2**30},
+                        "capture-graph": {"init_s": 82.0, "kv_cache_tokens": 900, "nvml_used": 2**30,
+                                          "capture_allocation_bytes": 2**29}},
+            "table": table, "checks": R.evaluate(table, 54.6), "skipped": [
+                {"engine": "capture-graph", "workload": "decode-c64", "scenario": "heavy", "reason": "x"}],
+            "measurements": ms}
+
+
+def test_write_report_files(tmp_path):
+    ms = _m("vanilla", 1000.0) + _m("idle", 995.0) + _m("hidden-4l", 950.0, fetch_s=0.1, rows=10,
+                                                         bytes=1e6, rows_expected=10)
+    rep = _report(ms)
+    paths = R.write(rep, tmp_path)
+    names = sorted(p.name for p in paths)
+    assert {"results.json", "results.md"} <= set(names)
+    for p in tmp_path.iterdir():
+        assert re.fullmatch(r"[A-Za-z0-9._-]+", p.name)
+    assert json.loads((tmp_path / "results.json").read_text())["table"]["decode-c64"]["idle"]["ratio"] == \
+        pytest.approx(0.995)
+    md = (tmp_path / "results.md").read_text()
+    assert "## decode-c64" in md and "| idle | capture-graph |" in md and "PASS" in md
+    assert "(-100)" in md  # KV cache tokens vs vanilla
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "tok_s_ratio.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markdown_with_nothing_measured():
+    rep = _report([])
+    rep["checks"], rep["engines"] = [], {"vanilla-graph": {"error": "boom"}}
+    md = R.markdown(rep)
+    assert "none evaluated" in md and "boom" in md
+
+
+def test_results_dir_is_two_levels_with_safe_names(tmp_path):
+    d = results_dir(tmp_path, S.make_suite("full", "tiny-moe"), "20260101-120000")
+    assert d.relative_to(tmp_path).parts == ("results", "20260101-120000-full-tiny-moe")
+
+
+def test_parse_kv_cache_tokens():
+    log = "INFO ... GPU KV cache size: 1,234,567 tokens\nINFO Maximum concurrency ..."
+    assert parse_kv_cache_tokens(log) == 1234567
+    assert parse_kv_cache_tokens("nothing") is None

@@ -1,0 +1,360 @@
+"""The dataset format and loader, and the extractor's sharding/resume logic, without an engine.
+
+``vllm_capture.api.capture`` / ``capture_status`` are replaced by a deterministic fake, so these
+tests exercise exactly the code paths ``vllm-capture extract`` uses (extract(), the shard writer,
+the manifest, resume) in milliseconds. tests/test_cli.py runs the same paths on a real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_capture import api
+from vllm_capture.cli import Prompt, UsageError, extract
+from vllm_capture.dataset import DatasetError, load_dataset
+from vllm_capture.selection import SelectSpec
+from vllm_capture.session.wire import CaptureMeta
+
+WIDTH = {"hidden_states": 8, "attention_heads": 6}
+NUM_LAYERS = 3
+PROMPTS = [
+    "the quick brown fox",
+    "one two three four five six",
+    "red green",
+    "a b c d e f g h i j k",
+    "north south east west",
+    "x",
+    "monday tuesday wednesday",
+    "chunked prefill spreads a long prompt over several steps",
+    "up down",
+    "left right left right left",
+]
+
+
+def _token(word: str) -> int:
+    return zlib.crc32(word.encode()) % 500
+
+
+def expected_row(text: str, position: int, layer: int, component: str) -> torch.Tensor:
+    width = WIDTH[component]
+    base = float(zlib.crc32(text.encode()) % 997)
+    comp = 1000.0 * (list(WIDTH).index(component) + 1)
+    return (torch.arange(width, dtype=torch.float32) * 1e-3 + base + position * 0.5
+            + layer * 100.0 + comp)
+
+
+class FakeEngine:
+    """Stands in for the engine: records which prompts each capture() call saw."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, list[str]]] = []
+
+
+def fake_capture(llm, prompts, *, stream, max_tokens=1, layers=None, dtype=None, select=None,
+                 per_prompt_selects=None, **_):
+    llm.calls.append((stream, list(prompts)))
+    spec = SelectSpec.from_wire(select) if isinstance(select, dict) else select
+    layers = list(layers) if layers is not None else list(range(NUM_LAYERS))
+    rows = {layer: [] for layer in layers}
+    positions, tokens, req_ids, offsets, outputs = [], [], [], [0], []
+    for i, text in enumerate(prompts):
+        own = per_prompt_selects[i] if per_prompt_selects else None
+        s = SelectSpec.from_wire(own) if isinstance(own, dict) else (own or spec)
+        toks = [_token(w) for w in text.split()]
+        plen = len(toks)
+        pos = list(s.selected_prompt_positions(plen, toks)) if s.covers_prompt else []
+        if s.covers_generation:
+            for g in range(max_tokens - 1):
+                tok = _token(f"gen{g}")
+                if s.match_generation([g], [tok]).keep[0]:
+                    pos.append(plen + g)
+                toks.append(tok)
+        for p in pos:
+            positions.append(p)
+            tokens.append(toks[p])
+            req_ids.append(f"{i}-0000000a")
+            for layer in layers:
+                rows[layer].append(expected_row(text, p, layer, stream))
+        offsets.append(len(positions))
+        outputs.append(SimpleNamespace(request_id=str(i), prompt_token_ids=toks[:plen]))
+    tensors, meta = {}, {}
+    for layer in layers:
+        t = (torch.stack(rows[layer]) if rows[layer]
+             else torch.empty((0, WIDTH[stream]), dtype=torch.float32))
+        if dtype is not None:
+            t = t.to(getattr(torch, dtype))
+        tensors[layer] = t
+        meta[layer] = CaptureMeta(list(req_ids), torch.tensor(positions, dtype=torch.int32),
+                                  torch.tensor(tokens, dtype=torch.int32))
+    layouts = {layer: {"width": WIDTH[stream]} for layer in layers}
+    return api.CaptureResult(tensors, outputs, layouts, stream, meta, offsets)
+
+
+def fake_status(llm, stream="hidden_states"):
+    if stream not in WIDTH:
+        return {"layouts": {}}
+    return {"layouts": {str(layer): {"width": WIDTH[stream]} for layer in range(NUM_LAYERS)}}
+
+
+@pytest.fixture(autouse=True)
+def fake_engine_api(monkeypatch):
+    monkeypatch.setattr(api, "capture", fake_capture)
+    monkeypatch.setattr(api, "capture_status", fake_status)
+
+
+def run(out, engine=None, **kwargs):
+    opts = dict(model="fake-model", components=["hidden_states", "attention_heads"],
+                select="all", max_tokens=3, batch_size=3, shard_rows=20, progress=False)
+    opts.update(kwargs)
+    prompts = opts.pop("prompts", PROMPTS)
+    return extract(engine or FakeEngine(), prompts, out, **opts)
+
+
+def expected_positions(text: str, max_tokens: int = 3) -> list[int]:
+    n = len(text.split())
+    return list(range(n + max_tokens - 1))
+
+
+def test_roundtrip_rows_labels_and_manifest(tmp_path):
+    out = tmp_path / "ds"
+    summary = run(out)
+    assert summary["prompts"] == len(PROMPTS)
+    ds = load_dataset(out, verify=True)
+    m = ds.manifest
+    assert ds.complete and m["complete"]
+    assert ds.components == ["hidden_states", "attention_heads"]
+    assert ds.layers("hidden_states") == [0, 1, 2]
+    assert ds.layout("attention_heads", 1) == {"width": 6}
+    assert ds.dtype == torch.float32
+    assert len(ds.shards) > 1  # shard_rows=20 splits the corpus
+    assert [s["prompt_start"] for s in ds.shards][0] == 0
+    for a, b in zip(ds.shards, ds.shards[1:]):
+        assert a["prompt_end"] == b["prompt_start"]
+    assert ds.shards[-1]["prompt_end"] == len(PROMPTS)
+    assert set(m["versions"]) == {"vllm", "torch", "vllm_capture"}
+    assert all(len(s["sha256"]) == 64 for s in ds.shards)
+    total = sum(len(expected_positions(t)) for t in PROMPTS)
+    assert len(ds) == ds.num_rows("attention_heads") == total == m["rows"]["hidden_states"]
+    assert ds.prompt_ids == [str(i) for i in range(len(PROMPTS))]
+    assert ds.prompts[3]["prompt"] == PROMPTS[3]
+    assert ds.prompt_lengths.tolist() == [len(t.split()) for t in PROMPTS]
+
+    labels = ds.labels("hidden_states")
+    assert labels["prompt_index"].tolist() == [i for i, t in enumerate(PROMPTS)
+                                               for _ in expected_positions(t)]
+    assert labels["position"].tolist() == [p for t in PROMPTS for p in expected_positions(t)]
+    assert (labels["request_id"] == labels["prompt_index"]).all()
+    for comp in ds.components:
+        for layer in ds.layers(comp):
+            rows = ds.rows(comp, layer)
+            want = torch.stack([expected_row(PROMPTS[i], p, layer, comp) for i, p in
+                                zip(labels["prompt_index"], labels["position"])])
+            assert torch.equal(rows, want)
+
+
+def test_lazy_access_by_prompt_position_and_id(tmp_path):
+    out = tmp_path / "ds"
+    run(out)
+    ds = load_dataset(out)
+    # Prompt 7 lives in one shard; only that shard is opened.
+    rows = ds.rows("hidden_states", 2, prompt=7)
+    owner = [s["file"] for s in ds.shards if s["prompt_start"] <= 7 < s["prompt_end"]]
+    assert list(ds._handles) == owner
+    pos = expected_positions(PROMPTS[7])
+    assert torch.equal(rows, torch.stack([expected_row(PROMPTS[7], p, 2, "hidden_states")
+                                          for p in pos]))
+    lab = ds.labels("hidden_states", prompt=7)
+    assert lab["position"].tolist() == pos and set(lab["prompt_index"].tolist()) == {7}
+    assert lab["token_id"].tolist()[: len(PROMPTS[7].split())] == [
+        _token(w) for w in PROMPTS[7].split()]
+    # By id, by several prompts, by positions, and both.
+    assert torch.equal(ds.rows("hidden_states", 2, prompt="7"), rows)
+    both = ds.rows("attention_heads", 0, prompt=[1, 4], positions=[0, 2])
+    assert both.shape == (4, WIDTH["attention_heads"])
+    assert ds.labels("attention_heads", prompt=[1, 4], positions=[0, 2])["position"].tolist() == \
+        [0, 2, 0, 2]
+    first = ds.rows("hidden_states", 0, positions=0)
+    assert first.shape[0] == len(PROMPTS)
+    assert torch.equal(first[5], expected_row(PROMPTS[5], 0, 0, "hidden_states"))
+    # Scattered selections across many runs read correctly too.
+    evens = ds.labels("hidden_states", positions=range(0, 20, 2))
+    got = ds.rows("hidden_states", 1, positions=range(0, 20, 2))
+    assert got.shape[0] == len(evens["position"]) > 32
+    assert torch.equal(got[-1], expected_row(PROMPTS[int(evens["prompt_index"][-1])],
+                                             int(evens["position"][-1]), 1, "hidden_states"))
+    assert ds.rows("hidden_states", 0, prompt=5, positions=99).shape == (0, 8)
+    # Full passes in bounded memory.
+    n = sum(r.shape[0] for r, _ in ds.iter_shards("hidden_states", 0))
+    assert n == len(ds)
+    with pytest.raises(KeyError, match="layer 7"):
+        ds.rows("hidden_states", 7)
+    with pytest.raises(KeyError, match="router_logits"):
+        ds.rows("router_logits", 0)
+    with pytest.raises(KeyError, match="nope"):
+        ds.rows("hidden_states", 0, prompt="nope")
+    with pytest.raises(IndexError):
+        ds.rows("hidden_states", 0, prompt=len(PROMPTS))
+
+
+def test_verify_detects_tampered_and_missing_shards(tmp_path):
+    out = tmp_path / "ds"
+    run(out)
+    load_dataset(out, verify=True).close()
+    shard = out / load_dataset(out).shards[1]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01  # one bit of one activation value
+    shard.write_bytes(bytes(data))
+    ds = load_dataset(out)  # lazy: no hashing unless asked
+    with pytest.raises(DatasetError, match="sha256"):
+        ds.verify()
+    with pytest.raises(DatasetError, match="sha256"):
+        load_dataset(out, verify=True)
+    shard.unlink()
+    with pytest.raises(DatasetError, match="missing"):
+        load_dataset(out)
+
+
+class Interrupt(RuntimeError):
+    pass
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):
+    full = tmp_path / "full"
+    run(full)
+    part = tmp_path / "part"
+
+    def stop_after_first(entry):
+        raise Interrupt(entry["file"])
+
+    with pytest.raises(Interrupt):
+        run(part, on_shard=stop_after_first)
+    ds = load_dataset(part)
+    assert not ds.complete and len(ds.shards) == 1
+    done = ds.shards[0]["prompt_end"]
+    # What a crash can leave behind: a temporary shard and a renamed shard that the manifest
+    # never listed. Neither may count, and the rerun must replace them.
+    (part / ".shard-00001.safetensors.tmp-999").write_bytes(b"half a shard")
+    (part / "shard-00001.safetensors").write_bytes(b"orphan: renamed, not in the manifest")
+    assert len(load_dataset(part).shards) == 1
+
+    engine = FakeEngine()
+    summary = run(part, engine=engine)
+    assert summary["resumed_at"] == done
+    seen = [p for _, batch in engine.calls for p in batch]
+    assert not set(PROMPTS[:done]) & set(seen)  # finished prompts are not captured again
+    a, b = load_dataset(full, verify=True), load_dataset(part, verify=True)
+    assert b.complete
+    assert not list(part.glob(".*tmp*"))
+    for comp in a.components:
+        la, lb = a.labels(comp), b.labels(comp)
+        for col in la:
+            assert np.array_equal(la[col], lb[col]), col
+        pairs = list(zip(lb["prompt_index"].tolist(), lb["position"].tolist()))
+        assert len(pairs) == len(set(pairs))  # no duplicated rows
+        for layer in a.layers(comp):
+            assert torch.equal(a.rows(comp, layer), b.rows(comp, layer))
+    # A rerun of a finished run does nothing.
+    engine = FakeEngine()
+    assert run(part, engine=engine)["prompts"] == 0 and engine.calls == []
+
+
+def test_crash_while_writing_a_shard_leaves_no_complete_looking_shard(tmp_path, monkeypatch):
+    import safetensors.torch as st
+
+    out = tmp_path / "ds"
+    real = st.save_file
+    calls = {"n": 0}
+
+    def dying_save(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            with open(path, "wb") as f:
+                f.write(b"\x00" * 100)  # half-written, then the process dies
+            raise Interrupt("killed while writing")
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(st, "save_file", dying_save)
+    with pytest.raises(Interrupt):
+        run(out)
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.safetensors"]
+    assert len(load_dataset(out, verify=True).shards) == 1
+    monkeypatch.setattr(st, "save_file", real)
+    run(out)
+    ds = load_dataset(out, verify=True)
+    assert ds.complete and ds.shards[-1]["prompt_end"] == len(PROMPTS)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_shard_limits_bound_buffered_rows(tmp_path):
+    out = tmp_path / "ds"
+    run(out, batch_size=1, shard_rows=10**6, shard_mb=1e-4)  # ~100 bytes: every batch flushes
+    assert len(load_dataset(out).shards) == len(PROMPTS)
+    out2 = tmp_path / "ds2"
+    run(out2, batch_size=2, shard_rows=1)
+    assert len(load_dataset(out2).shards) == len(PROMPTS) // 2
+
+
+def test_last_selection_per_prompt_select_ids_and_bf16(tmp_path):
+    prompts = [Prompt(i, f"doc-{i}", t) for i, t in enumerate(PROMPTS)]
+    own = SelectSpec(prompt_positions=(0, 1)).to_wire()
+    prompts[2] = Prompt(2, "doc-2", PROMPTS[2], own)
+    out = tmp_path / "ds"
+    run(out, prompts=prompts, select="last", max_tokens=1, storage_dtype="bf16",
+        components="hidden_states", layers="0,-1")
+    ds = load_dataset(out)
+    assert ds.manifest["selection"]["mode"] == "last"
+    assert ds.manifest["selection"]["per_prompt"] == 1
+    assert ds.layers("hidden_states") == [0, 2]
+    assert ds.dtype == torch.bfloat16
+    lab = ds.labels("hidden_states")
+    assert lab["position"].tolist() == [
+        len(t.split()) - 1 if i != 2 else p for i, t in enumerate(PROMPTS)
+        for p in ([0, 1] if i == 2 else [None])]
+    rows = ds.rows("hidden_states", 2, prompt="doc-3")
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows[0], expected_row(PROMPTS[3], 10, 2, "hidden_states").bfloat16())
+    assert ds.prompt_ids[3] == "doc-3"
+
+
+def test_output_folder_holding_another_run_is_refused(tmp_path):
+    out = tmp_path / "ds"
+    run(out)
+    before = (out / "manifest.json").read_text()
+    for change in (dict(layers=[0]), dict(select="last"), dict(max_tokens=2),
+                   dict(prompts=PROMPTS[:-1]), dict(components=["hidden_states"]),
+                   dict(storage_dtype="float16"), dict(model="other")):
+        with pytest.raises(UsageError, match="different run"):
+            run(out, **change)
+    assert (out / "manifest.json").read_text() == before
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="not empty"):
+        run(foreign)
+
+
+def test_engine_side_validation_writes_nothing(tmp_path):
+    out = tmp_path / "ds"
+    with pytest.raises(UsageError, match=r"unknown layer\(s\) \[5\]"):
+        run(out, layers=[5])
+    with pytest.raises(UsageError, match="router_logits"):
+        run(out, components=["router_logits"])
+    with pytest.raises(UsageError, match="selects nothing|generates none"):
+        run(out, select=json.dumps({"generation": "all"}), max_tokens=1)
+    assert not out.exists()
+
+
+def test_not_a_dataset(tmp_path):
+    with pytest.raises(DatasetError, match="no such dataset folder"):
+        load_dataset(tmp_path / "missing")
+    with pytest.raises(DatasetError, match="no manifest.json"):
+        load_dataset(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(DatasetError, match="not a vllm-capture dataset"):
+        load_dataset(tmp_path)

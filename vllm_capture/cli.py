@@ -1,0 +1,1051 @@
+"""``vllm-capture``: extract activation datasets, inspect them, and a one-command demo.
+
+Commands::
+
+    vllm-capture extract MODEL PROMPTS --out DIR [--components hidden_states,attention_heads]
+        [--layers all|0,2,5-7|-1] [--select last|all|'{"prompt_window": [-8, null]}']
+        [--storage-dtype float32|float16|bfloat16] [--max-tokens N] [--batch-size N]
+        [--shard-rows N] [--shard-mb MB] [--no-progress]
+        [--tensor-parallel-size N] [--max-model-len N] [--gpu-memory-utilization F]
+        [--enforce-eager] [--max-num-batched-tokens N] [--max-num-seqs N] [--dtype D]
+    vllm-capture inspect DIR [--plot norms.png] [--verify] [--no-stats]
+    vllm-capture demo [--out DIR] [--plot norms.png]
+
+``extract`` reads prompts from a ``.txt`` file (one prompt per non-blank line) or a ``.jsonl`` file
+(one object per line: ``prompt``, optional ``id``, optional ``select`` = a SelectSpec wire dict
+that replaces ``--select`` for that prompt). It processes the prompts in batches of
+``--batch-size``; for every batch it captures each requested component in turn (one
+``capture()`` pass per component; generation is greedy, so every pass sees the same tokens), and
+writes a shard (see ``vllm_capture.dataset`` for the format) whenever the buffered rows reach
+``--shard-rows`` or ``--shard-mb``. Memory therefore stays bounded by one shard plus one batch,
+whatever the corpus size.
+
+Selections: ``last`` = the last prompt row of each prompt (``SelectSpec(prompt_positions=[-1])``);
+``all`` = every prompt row, plus the generated rows when ``--max-tokens`` > 1 (``max_tokens=N``
+gives N-1 generated rows: the last sampled token is never fed back); anything else is parsed as a
+SelectSpec wire dict in JSON.
+
+Resuming: shards are written under a temporary name and renamed once complete; ``manifest.json``
+(replaced atomically after each shard) lists the finished shards and the prompt range each one
+covers. Rerunning the same command resumes after the last finished shard; files an interrupted run
+left behind (temporary or unlisted shards) are removed first, so rows are never duplicated. A
+folder holding a different run (other model, prompts, components, layers, selection, dtypes or
+max tokens) is refused.
+
+Bad input (missing or empty prompt files, malformed JSONL lines, unknown components or layers,
+invalid or empty selections, a mismatched output folder) is reported as one line on stderr with
+exit code 2, before the engine starts and before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFEST, PROMPT_LENGTH,
+                                  PROMPTS_FILE, SHARD_PREFIX, DatasetError, dtype_name,
+                                  label_name, load_dataset, read_manifest, sha256_file,
+                                  shard_name, tensor_name, write_json_atomic, write_text_atomic)
+from vllm_capture.session.components import COMPONENTS, HIDDEN_STATES, ROUTER_LOGITS
+
+PROG = "vllm-capture"
+
+# The demo's prompts use the tiny model's word-level vocabulary (tiny_models.CORPUS).
+DEMO_PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a capture of hidden states from every layer of the model",
+    "attention heads write their outputs before the output projection",
+    "router logits choose which experts see each token",
+    "continuous batching mixes prompts of different lengths in one step",
+    "chunked prefill spreads a long prompt over several steps",
+    "the ring buffer is drained after every step without blocking",
+    "researchers read activations to steer and to understand models",
+    "one two three four five six seven eight nine ten",
+    "red green blue yellow black white orange purple",
+    "monday tuesday wednesday thursday friday saturday sunday",
+    "north south east west up down left right",
+    "the lazy dog sees the brown fox",
+    "one layer of the model reads the hidden states",
+    "every step the router logits choose experts",
+    "left right up down the ring buffer",
+]
+
+# Engine options of the demo (and of the tests' shared engine): small and CPU friendly.
+# Eager mode: torch.compile's first warm-up costs about a minute more on a 2-core CPU.
+DEMO_ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=256, max_num_seqs=16,
+                   seed=0, enforce_eager=True)
+DEMO_COMPONENTS = ("hidden_states", "attention_heads")
+DEMO_MAX_TOKENS = 4
+
+_ENGINE_OPTIONS = ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization",
+                   "enforce_eager", "max_num_batched_tokens", "max_num_seqs", "dtype")
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr, exit code 2."""
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int
+    id: str
+    text: str
+    select: dict | None = None  # canonical SelectSpec wire dict, or None: the run's selection
+    line: int = 0
+
+
+def load_prompts(path: str | os.PathLike) -> list[Prompt]:
+    """Prompts of a ``.txt`` (one per non-blank line) or ``.jsonl`` file; UsageError if bad."""
+    from vllm_capture.selection import SelectSpec
+
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"prompts file not found: {path}")
+    if not path.is_file():
+        raise UsageError(f"prompts: {path} is not a file")
+    suffix = path.suffix.lower()
+    if suffix not in (".txt", ".jsonl"):
+        raise UsageError(f"prompts: {path} must be a .txt (one prompt per line) or .jsonl file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"prompts: {path} is not UTF-8 text ({exc.reason})") from None
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        index = len(prompts)
+        select = None
+        if suffix == ".txt":
+            text, pid = line, str(index)
+        else:
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{where}: malformed JSON ({exc.msg}, column {exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise UsageError(f"{where}: expected a JSON object with a \"prompt\" field, got "
+                                 f"{type(obj).__name__}")
+            text = obj.get("prompt")
+            if not isinstance(text, str):
+                raise UsageError(f"{where}: \"prompt\" must be a string" if "prompt" in obj
+                                 else f"{where}: missing \"prompt\" field")
+            if not text.strip():
+                raise UsageError(f"{where}: \"prompt\" is empty")
+            raw_id = obj.get("id", index)
+            if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+                raise UsageError(f"{where}: \"id\" must be a string or an int, got "
+                                 f"{json.dumps(raw_id)}")
+            pid = str(raw_id)
+            if obj.get("select") is not None:
+                try:
+                    select = SelectSpec.from_wire(obj["select"]).to_wire()
+                except (TypeError, ValueError) as exc:
+                    raise UsageError(f"{where}: invalid \"select\": {exc}") from None
+        if pid in seen:
+            raise UsageError(f"{path}:{lineno}: duplicate prompt id {pid!r} (first on line "
+                             f"{seen[pid]})")
+        seen[pid] = lineno
+        prompts.append(Prompt(index, pid, text, select, lineno))
+    if not prompts:
+        raise UsageError(f"prompts: {path} holds no prompts")
+    return prompts
+
+
+def _as_prompts(prompts: Sequence) -> list[Prompt]:
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, Prompt):
+            if p.index != i:
+                raise ValueError(f"prompts[{i}]: index {p.index}, expected {i}")
+            out.append(p)
+        elif isinstance(p, str):
+            out.append(Prompt(i, str(i), p))
+        else:
+            raise TypeError(f"prompts[{i}]: expected a str or a Prompt, got {type(p).__name__}")
+    if not out:
+        raise UsageError("prompts: empty")
+    return out
+
+
+def prompts_sha256(prompts: Sequence[Prompt]) -> str:
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.id, p.text, p.select], sort_keys=True).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+# ---- options -------------------------------------------------------------------------------------
+
+def parse_components(values: Sequence[str] | str | None) -> list[str]:
+    if values is None:
+        return [HIDDEN_STATES]
+    if isinstance(values, str):
+        values = [values]
+    out: list[str] = []
+    for value in values:
+        for name in str(value).split(","):
+            name = name.strip()
+            if not name:
+                continue
+            if name not in COMPONENTS:
+                raise UsageError(f"unknown component {name!r}; choose from {', '.join(COMPONENTS)}")
+            if name not in out:
+                out.append(name)
+    if not out:
+        raise UsageError(f"--components: name at least one of {', '.join(COMPONENTS)}")
+    return out
+
+
+def parse_layers(value: str | Sequence[int] | None) -> list[int] | None:
+    """``all``/None -> None; ``"0,2,5-7,-1"`` -> ints (negative ones count from the end)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        items = list(value)
+        if not items or any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+            raise UsageError(f"--layers: expected a list of ints, got {value!r}")
+        return sorted(set(items))
+    text = value.strip().lower()
+    if text == "all":
+        return None
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                lo, hi = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
+                lo_i, hi_i = int(lo), int(hi)
+                if lo_i < 0 or hi_i < lo_i:
+                    raise ValueError
+                out.update(range(lo_i, hi_i + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise UsageError(f"--layers: cannot parse {part!r} in {value!r}; use 'all' or a list "
+                             "like 0,2,5-7 (negative numbers count from the last layer)") from None
+    return sorted(out)
+
+
+def resolve_layers(requested: list[int] | None, available: Sequence[int], where: str) -> list[int]:
+    available = sorted(int(x) for x in available)
+    if requested is None:
+        return available
+    count = (available[-1] + 1) if available else 0
+    out = set()
+    bad = []
+    for layer in requested:
+        resolved = layer + count if layer < 0 else layer
+        if resolved not in available:
+            bad.append(layer)
+        else:
+            out.add(resolved)
+    if bad:
+        shown = (f"{available[0]}..{available[-1]}" if available == list(range(available[0], count))
+                 else str(available)) if available else "none"
+        raise UsageError(f"unknown layer(s) {bad} for {where}; available layers: {shown}")
+    return sorted(out)
+
+
+def parse_selection(value: Any, max_tokens: int):
+    """``(mode, SelectSpec)`` for ``last``, ``all``, a JSON string, a wire dict or a SelectSpec."""
+    from vllm_capture.selection import SelectSpec
+
+    if isinstance(value, SelectSpec):
+        spec, mode = value, "spec"
+    elif isinstance(value, str) and value.strip().lower() == "last":
+        spec, mode = SelectSpec(prompt_positions=(-1,)), "last"
+    elif isinstance(value, str) and value.strip().lower() == "all":
+        spec = SelectSpec.all() if max_tokens > 1 else SelectSpec(prompt="all")
+        mode = "all"
+    else:
+        data = value
+        if isinstance(value, str):
+            try:
+                data = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"--select: expected 'last', 'all' or a SelectSpec JSON object; "
+                                 f"invalid JSON ({exc.msg}, column {exc.colno})") from None
+        try:
+            spec = SelectSpec.from_wire(data)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--select: invalid SelectSpec: {exc}") from None
+        mode = "spec"
+    check_selects_something(spec, max_tokens, "--select")
+    return mode, spec
+
+
+def check_selects_something(spec, max_tokens: int, where: str) -> None:
+    if not spec.covers_prompt and max_tokens < 2:
+        raise UsageError(f"{where}: selects generated rows only, but --max-tokens {max_tokens} "
+                         "generates none (max_tokens=N feeds N-1 generated rows); the selection "
+                         "would capture nothing")
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def resolve_storage_dtype_name(value: str | None) -> str | None:
+    if value is None:
+        return None
+    from vllm_capture.session.config import resolve_storage_dtype
+
+    try:
+        return dtype_name(resolve_storage_dtype(value))
+    except ValueError as exc:
+        raise UsageError(f"--storage-dtype: {exc}") from None
+
+
+# ---- model ---------------------------------------------------------------------------------------
+
+def _looks_like_path(model: str) -> bool:
+    return (model.startswith(("/", "./", "../", "~", ".\\")) or model.count("/") > 1
+            or model.endswith(("/", ".json", ".safetensors", ".gguf")))
+
+
+def model_config(model: str) -> dict | None:
+    """The model's config.json (a local folder, or the Hugging Face cache); None if unknown.
+
+    UsageError if ``model`` looks like a local path that does not exist.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        cfg = path / "config.json" if path.is_dir() else None
+        if cfg is None or not cfg.is_file():
+            return None
+        try:
+            return json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return None
+    if _looks_like_path(model):
+        raise UsageError(f"model not found: {model} (no such folder)")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json")
+        if isinstance(cached, str):
+            return json.loads(Path(cached).read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 - the cache is only a hint; the engine will know
+        pass
+    return None
+
+
+def _text_config(config: dict) -> dict:
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) and "num_hidden_layers" in inner else config
+
+
+def check_model(model: str, components: Sequence[str], layers: list[int] | None) -> dict | None:
+    """Validate layers and components against the model's config.json where it is readable."""
+    config = model_config(model)
+    if config is None:
+        return None
+    text = _text_config(config)
+    num_layers = text.get("num_hidden_layers")
+    if isinstance(num_layers, int) and num_layers > 0 and layers is not None:
+        resolve_layers(layers, range(num_layers), f"{model} ({num_layers} layers)")
+    if ROUTER_LOGITS in components:
+        if not any(isinstance(text.get(k, config.get(k)), int) and text.get(k, config.get(k)) > 0
+                   for k in _MOE_KEYS):
+            raise UsageError(f"component router_logits: {model} is not a mixture-of-experts model "
+                             "(its config.json names no experts)")
+    return config
+
+
+# ---- output folder -------------------------------------------------------------------------------
+
+def run_fingerprint(*, model: str, components: Sequence[str], layers: list[int] | None,
+                    selection: tuple[str, Any], max_tokens: int, storage_dtype: str | None,
+                    engine_dtype: str | None, prompts: Sequence[Prompt]) -> dict:
+    """What defines a run: two runs with equal fingerprints produce the same rows."""
+    mode, spec = selection
+    path = Path(model).expanduser()
+    return {
+        "model": str(path.resolve()) if path.exists() else model,
+        "components": list(components),
+        "layers": "all" if layers is None else list(layers),
+        "selection": {"mode": mode, "spec": spec.to_wire()},
+        "max_tokens": int(max_tokens),
+        "storage_dtype": storage_dtype,
+        "engine_dtype": engine_dtype or "auto",
+        "num_prompts": len(prompts),
+        "prompts_sha256": prompts_sha256(prompts),
+    }
+
+
+def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
+    """The existing manifest of the same run in ``out`` (None if ``out`` is new or empty).
+
+    UsageError if ``out`` is a file, a foreign non-empty folder, or holds a different run.
+    """
+    out = Path(out)
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise UsageError(f"--out: {out} exists and is not a folder")
+    if not (out / MANIFEST).exists():
+        if any(out.iterdir()):
+            raise UsageError(f"--out: {out} is not empty and holds no {MANIFEST}; use a new or "
+                             "empty folder")
+        return None
+    try:
+        manifest = read_manifest(out)
+    except DatasetError as exc:
+        raise UsageError(f"--out: {exc}") from None
+    previous = manifest.get("run", {})
+    differs = [k for k in sorted(set(previous) | set(fingerprint))
+               if previous.get(k) != fingerprint.get(k)]
+    if differs:
+        raise UsageError(f"--out: {out} holds a different run (differs in: {', '.join(differs)}); "
+                         "use another --out folder or remove this one")
+    for entry in manifest.get("shards", []):
+        if not (out / entry["file"]).is_file():
+            raise UsageError(f"--out: {out}: shard {entry['file']} listed in the manifest is "
+                             "missing; the folder cannot be resumed")
+    return manifest
+
+
+def _clean_leftovers(out: Path, manifest: dict) -> list[str]:
+    """Remove shard files an interrupted run left behind (temporary or not in the manifest)."""
+    listed = {entry["file"] for entry in manifest.get("shards", [])}
+    removed = []
+    for child in out.iterdir():
+        name = child.name
+        ours = name.startswith(SHARD_PREFIX) or name.startswith(f".{SHARD_PREFIX}") or (
+            name.startswith(".") and ".tmp-" in name)
+        if ours and child.is_file() and name not in listed:
+            child.unlink()
+            removed.append(name)
+    return removed
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    try:
+        import vllm
+
+        vllm_version = getattr(vllm, "__version__", "unknown")
+    except Exception:  # noqa: BLE001
+        vllm_version = "unavailable"
+    try:
+        from importlib.metadata import version
+
+        own = version("vllm-capture")
+    except Exception:  # noqa: BLE001
+        own = "unknown"
+    return {"vllm": vllm_version, "torch": torch.__version__, "vllm_capture": own}
+
+
+# ---- extraction ----------------------------------------------------------------------------------
+
+class _Buffer:
+    """Rows of consecutive batches not yet written, per component."""
+
+    def __init__(self, components: Sequence[str], layers: dict[str, list[int]]):
+        self.components = list(components)
+        self.layers = layers
+        self.clear(0)
+
+    def clear(self, prompt_start: int) -> None:
+        self.prompt_start = prompt_start
+        self.prompt_end = prompt_start
+        self.tensors = {c: {layer: [] for layer in self.layers[c]} for c in self.components}
+        self.labels = {c: {col: [] for col in LABEL_COLUMNS} for c in self.components}
+        self.rows = {c: 0 for c in self.components}
+        self.prompt_lengths: list[int] = []
+        self.nbytes = 0
+
+    def add(self, component: str, result, prompt_start: int) -> int:
+        import numpy as np
+
+        counts = np.diff(np.asarray(result.offsets, dtype=np.int64))
+        n = int(counts.sum())
+        prompt_index = np.repeat(np.arange(prompt_start, prompt_start + len(counts),
+                                           dtype=np.int32), counts)
+        if n:
+            first = result.meta(next(iter(result.layers)))
+            positions = first.positions.numpy().astype(np.int32, copy=False)
+            token_ids = first.token_ids.numpy().astype(np.int32, copy=False)
+        else:
+            positions = token_ids = np.empty(0, dtype=np.int32)
+        cols = {"prompt_index": prompt_index, "request_id": prompt_index.copy(),
+                "position": positions, "token_id": token_ids}
+        for col, arr in cols.items():
+            self.labels[component][col].append(arr)
+            self.nbytes += arr.nbytes
+        for layer in self.layers[component]:
+            t = result.layers.get(layer)
+            if t is None:
+                if n:
+                    raise RuntimeError(f"{component}: capture returned no rows for layer {layer}")
+                continue
+            t = t.contiguous()
+            self.tensors[component][layer].append(t)
+            self.nbytes += t.numel() * t.element_size()
+        self.rows[component] += n
+        if component == self.components[0]:
+            self.prompt_lengths.extend(len(o.prompt_token_ids or ()) for o in result.outputs)
+        return n
+
+    def max_rows(self) -> int:
+        return max(self.rows.values()) if self.rows else 0
+
+    def tensors_for_shard(self, widths: dict[str, dict[int, int]], dtype) -> dict:
+        import numpy as np
+        import torch
+
+        out = {}
+        for c in self.components:
+            for layer in self.layers[c]:
+                parts = self.tensors[c][layer]
+                if parts:
+                    out[tensor_name(c, layer)] = parts[0] if len(parts) == 1 else torch.cat(parts)
+                else:
+                    out[tensor_name(c, layer)] = torch.empty((0, widths[c][layer]), dtype=dtype)
+            for col in LABEL_COLUMNS:
+                arr = np.concatenate(self.labels[c][col]) if self.labels[c][col] else \
+                    np.empty(0, dtype=np.int32)
+                out[label_name(c, col)] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int32))
+        out[PROMPT_LENGTH] = torch.tensor(self.prompt_lengths, dtype=torch.int32)
+        return out
+
+
+def _write_shard(out: Path, index: int, tensors: dict, metadata: dict[str, str]) -> tuple[str, int, str]:
+    from safetensors.torch import save_file
+
+    name = shard_name(index)
+    tmp = out / f".{name}.tmp-{os.getpid()}"
+    save_file(tensors, str(tmp), metadata=metadata)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    digest = sha256_file(tmp)
+    size = tmp.stat().st_size
+    os.replace(tmp, out / name)
+    return name, size, digest
+
+
+@dataclass
+class RunPlan:
+    """Validated extraction options (everything that can be checked without an engine)."""
+
+    prompts: list[Prompt]
+    components: list[str]
+    layers: list[int] | None  # requested; None = all, negative = from the end
+    mode: str
+    spec: Any  # SelectSpec
+    max_tokens: int
+    storage_dtype: str | None
+    batch_size: int
+    shard_rows: int
+    shard_mb: float
+    engine_options: dict
+
+    def fingerprint(self, model: str) -> dict:
+        return run_fingerprint(model=model, components=self.components, layers=self.layers,
+                               selection=(self.mode, self.spec), max_tokens=self.max_tokens,
+                               storage_dtype=self.storage_dtype,
+                               engine_dtype=self.engine_options.get("dtype"), prompts=self.prompts)
+
+
+def plan_run(prompts: Sequence, *, components=(HIDDEN_STATES,), layers=None, select: Any = "last",
+             max_tokens: int = 1, storage_dtype: str | None = None, batch_size: int = 32,
+             shard_rows: int = 65536, shard_mb: float = 256.0,
+             engine_options: dict | None = None) -> RunPlan:
+    """Check every option that needs no engine; UsageError on the first bad one."""
+    from vllm_capture.selection import SelectSpec
+
+    prompts = _as_prompts(prompts)
+    components = parse_components(components)
+    requested_layers = parse_layers(layers)
+    max_tokens = _positive_int("--max-tokens", max_tokens)
+    batch_size = _positive_int("--batch-size", batch_size)
+    shard_rows = _positive_int("--shard-rows", shard_rows)
+    if isinstance(shard_mb, bool) or not isinstance(shard_mb, (int, float)) or not shard_mb > 0:
+        raise UsageError(f"--shard-mb: expected a number > 0, got {shard_mb!r}")
+    engine_options = {k: v for k, v in dict(engine_options or {}).items() if v is not None}
+    for name in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens",
+                 "max_num_seqs"):
+        if name in engine_options:
+            _positive_int("--" + name.replace("_", "-"), engine_options[name])
+    util = engine_options.get("gpu_memory_utilization")
+    if util is not None and not 0 < util <= 1:
+        raise UsageError(f"--gpu-memory-utilization: expected a fraction in (0, 1], got {util!r}")
+    mode, spec = parse_selection(select, max_tokens)
+    for p in prompts:
+        if p.select is not None:
+            check_selects_something(SelectSpec.from_wire(p.select), max_tokens,
+                                    f"prompt {p.id!r} (line {p.line}) select")
+    storage = resolve_storage_dtype_name(storage_dtype)
+    return RunPlan(prompts, components, requested_layers, mode, spec, max_tokens, storage,
+                   batch_size, shard_rows, shard_mb, engine_options)
+
+
+def _status_layouts(llm, component: str) -> dict[int, dict]:
+    from vllm_capture.api import capture_status
+
+    status = capture_status(llm, component)
+    return {int(k): dict(v) for k, v in (status.get("layouts") or {}).items()}
+
+
+def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
+            components: Sequence[str] | str = (HIDDEN_STATES,), layers=None,
+            select: Any = "last", max_tokens: int = 1, storage_dtype: str | None = None,
+            batch_size: int = 32, shard_rows: int = 65536, shard_mb: float = 256.0,
+            engine_options: dict | None = None, progress: bool = True,
+            on_shard: Callable[[dict], None] | None = None) -> dict:
+    """Capture ``prompts`` with the capture-ready engine ``llm`` into the dataset folder ``out_dir``.
+
+    ``prompts`` are strings or :class:`Prompt` records; ``model`` is recorded in the manifest
+    (and is part of the run fingerprint). Resumes a matching unfinished run in ``out_dir``.
+    ``on_shard(entry)`` is called after each shard is finished (tests use it to interrupt).
+    Returns a summary: prompts and rows processed by this call, seconds, prompts/s, rows/s.
+    Raises UsageError for bad input, before anything is written.
+    """
+    from vllm_capture.api import capture
+
+    plan = plan_run(prompts, components=components, layers=layers, select=select,
+                    max_tokens=max_tokens, storage_dtype=storage_dtype, batch_size=batch_size,
+                    shard_rows=shard_rows, shard_mb=shard_mb, engine_options=engine_options)
+    prompts, components, requested_layers = plan.prompts, plan.components, plan.layers
+    mode, spec, max_tokens, storage = plan.mode, plan.spec, plan.max_tokens, plan.storage_dtype
+    batch_size, shard_rows, shard_mb = plan.batch_size, plan.shard_rows, plan.shard_mb
+    engine_options = plan.engine_options
+
+    # What the engine offers: layers and layouts per component.
+    layer_map: dict[str, list[int]] = {}
+    layouts: dict[str, dict[int, dict]] = {}
+    for c in components:
+        available = _status_layouts(llm, c)
+        if not available:
+            raise UsageError(f"component {c}: the model has no {c} call sites "
+                             "(router_logits needs a mixture-of-experts model)")
+        layer_map[c] = resolve_layers(requested_layers, sorted(available), f"{c} of {model}")
+        layouts[c] = {layer: available[layer] for layer in layer_map[c]}
+
+    fingerprint = plan.fingerprint(model)
+    out = Path(out_dir)
+    manifest = check_output(out, fingerprint)
+    if manifest is None:
+        out.mkdir(parents=True, exist_ok=True)
+        manifest = {
+            "format": FORMAT, "version": FORMAT_VERSION, "complete": False,
+            "run": fingerprint,
+            "model": fingerprint["model"], "components": components,
+            "layers": {c: layer_map[c] for c in components},
+            "layouts": {c: {str(k): v for k, v in layouts[c].items()} for c in components},
+            "dtype": storage,
+            "selection": {"mode": mode, "spec": spec.to_wire(),
+                          "per_prompt": sum(p.select is not None for p in prompts)},
+            "max_tokens": max_tokens,
+            "engine": {k: v for k, v in engine_options.items() if v is not None},
+            "extract": {"batch_size": batch_size, "shard_rows": shard_rows, "shard_mb": shard_mb},
+            "num_prompts": len(prompts),
+            "request_ids": [p.id for p in prompts],
+            "rows": {c: 0 for c in components},
+            "versions": _versions(),
+            "shards": [],
+        }
+        # The manifest goes first: it marks the folder as this run's (prompts.jsonl is
+        # rewritten on resume if an interruption came in between).
+        write_json_atomic(out / MANIFEST, manifest)
+    else:
+        _clean_leftovers(out, manifest)
+        manifest["versions"] = _versions()
+    if not (out / PROMPTS_FILE).is_file():
+        write_text_atomic(out / PROMPTS_FILE, "".join(
+            json.dumps({"index": p.index, "id": p.id, "prompt": p.text, "select": p.select}) + "\n"
+            for p in prompts))
+
+    shards: list[dict] = manifest["shards"]
+    start = shards[-1]["prompt_end"] if shards else 0
+    summary = {"out": str(out), "prompts": 0, "rows": 0, "seconds": 0.0, "resumed_at": start,
+               "shards_written": 0}
+    if start >= len(prompts):
+        if not manifest.get("complete"):
+            manifest["complete"] = True
+            write_json_atomic(out / MANIFEST, manifest)
+        return summary
+
+    import torch
+
+    texts = [p.text for p in prompts]
+    has_own = any(p.select is not None for p in prompts)
+    buffer = _Buffer(components, layer_map)
+    buffer.clear(start)
+    limit_bytes = shard_mb * (1 << 20)
+    widths = {c: {layer: int(layouts[c][layer]["width"]) for layer in layer_map[c]}
+              for c in components}
+    seen_dtype = torch.float32 if storage is None else getattr(torch, storage)
+    t0 = time.perf_counter()
+    rows_done = 0
+
+    def flush() -> None:
+        if buffer.prompt_end == buffer.prompt_start:
+            return
+        tensors = buffer.tensors_for_shard(widths, seen_dtype)
+        name, size, digest = _write_shard(out, len(shards), tensors, {
+            "format": FORMAT, "prompt_start": str(buffer.prompt_start),
+            "prompt_end": str(buffer.prompt_end)})
+        entry = {"file": name, "prompt_start": buffer.prompt_start,
+                 "prompt_end": buffer.prompt_end, "rows": dict(buffer.rows), "bytes": size,
+                 "sha256": digest}
+        shards.append(entry)
+        for c in components:
+            manifest["rows"][c] += buffer.rows[c]
+        manifest["complete"] = buffer.prompt_end >= len(prompts)
+        write_json_atomic(out / MANIFEST, manifest)
+        summary["shards_written"] += 1
+        buffer.clear(buffer.prompt_end)
+        if on_shard is not None:
+            on_shard(dict(entry))
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(prompts), initial=start, unit="prompt", desc="extract",
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    try:
+        for b0 in range(start, len(prompts), batch_size):
+            b1 = min(b0 + batch_size, len(prompts))
+            per_prompt = [p.select for p in prompts[b0:b1]] if has_own else None
+            for c in components:
+                result = capture(llm, texts[b0:b1], stream=c, max_tokens=max_tokens,
+                                 layers=layer_map[c], dtype=storage, select=spec,
+                                 per_prompt_selects=per_prompt)
+                for layer, t in result.layers.items():
+                    seen_dtype = t.dtype
+                    if manifest["dtype"] is None:
+                        manifest["dtype"] = dtype_name(t.dtype)
+                    if layer in widths[c]:
+                        widths[c][layer] = int(t.shape[1])
+                for layer, lay in (result.layouts or {}).items():
+                    if layer in layouts[c]:
+                        manifest["layouts"][c][str(layer)] = dict(lay)
+                rows_done += buffer.add(c, result, b0)
+            buffer.prompt_end = b1
+            summary["prompts"] += b1 - b0
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            bar.update(b1 - b0)
+            bar.set_postfix_str(f"{rows_done / elapsed:.1f} rows/s, {len(shards)} shards",
+                                refresh=False)
+            if buffer.max_rows() >= shard_rows or buffer.nbytes >= limit_bytes:
+                flush()
+        flush()
+    finally:
+        bar.close()
+    summary["rows"] = rows_done
+    summary["seconds"] = time.perf_counter() - t0
+    summary["prompts_per_s"] = summary["prompts"] / max(summary["seconds"], 1e-9)
+    summary["rows_per_s"] = rows_done / max(summary["seconds"], 1e-9)
+    return summary
+
+
+# ---- inspect -------------------------------------------------------------------------------------
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _layer_norms(ds, component: str, layer: int):
+    """(mean, min, max) of the rows' L2 norms and per-position (sum, count), one pass."""
+    import numpy as np
+
+    total, count, lo, hi = 0.0, 0, math.inf, -math.inf
+    pos_sum = np.zeros(0)
+    pos_cnt = np.zeros(0)
+    for rows, labels in ds.iter_shards(component, layer):
+        if rows.shape[0] == 0:
+            continue
+        norms = rows.float().norm(dim=1).numpy().astype(np.float64)
+        total += float(norms.sum())
+        count += norms.size
+        lo, hi = min(lo, float(norms.min())), max(hi, float(norms.max()))
+        pos = labels["position"].astype(np.int64)
+        keep = pos >= 0
+        if keep.any():
+            size = int(pos[keep].max()) + 1
+            if size > pos_sum.size:
+                pos_sum = np.pad(pos_sum, (0, size - pos_sum.size))
+                pos_cnt = np.pad(pos_cnt, (0, size - pos_cnt.size))
+            pos_sum[: size] += np.bincount(pos[keep], weights=norms[keep], minlength=size)
+            pos_cnt[: size] += np.bincount(pos[keep], minlength=size)
+    mean = total / count if count else float("nan")
+    return mean, lo, hi, pos_sum, pos_cnt
+
+
+def summarize(path: str | os.PathLike, stats: bool = True, verify: bool = False) -> str:
+    """A human-readable summary of a dataset folder."""
+    ds = load_dataset(path, verify=verify)
+    m = ds.manifest
+    total = m.get("num_prompts", len(m.get("request_ids", [])))
+    sel = m.get("selection", {})
+    mode = sel.get("mode", "?")
+    sel_text = mode if mode != "spec" else json.dumps(
+        {k: v for k, v in sel.get("spec", {}).items() if v is not None})
+    if sel.get("per_prompt"):
+        sel_text += f" ({sel['per_prompt']} prompts with their own select)"
+    status = "complete" if ds.complete else "INCOMPLETE (rerun the extract command to resume)"
+    v = m.get("versions", {})
+    lines = [
+        f"dataset    {ds.path}",
+        f"model      {m.get('model')}",
+        f"status     {status}: {ds.num_prompts}/{total} prompts, {len(ds.shards)} shard(s), "
+        f"{_fmt_bytes(ds.size_bytes())}" + (", sha256 verified" if verify else ""),
+        f"selection  {sel_text}, max_tokens={m.get('max_tokens')}",
+        f"dtype      {m.get('dtype')}",
+        f"versions   vllm {v.get('vllm')}, torch {v.get('torch')}, "
+        f"vllm-capture {v.get('vllm_capture')}",
+    ]
+    for c in ds.components:
+        layers = ds.layers(c)
+        lay = ds.layout(c, layers[0]) if layers else {}
+        extra = (f" ({lay['num_heads']} heads x {lay['head_size']})"
+                 if "num_heads" in lay and "head_size" in lay else "")
+        n = ds.num_rows(c)
+        lines.append(f"{c}: {n} rows x {len(layers)} layers {layers}, width "
+                     f"{lay.get('width')}{extra}; tensor [{n}, {lay.get('width')}] per layer")
+        if stats and n:
+            lines.append("    layer   mean |x|    min |x|    max |x|")
+            for layer in layers:
+                mean, lo, hi, _, _ = _layer_norms(ds, c, layer)
+                lines.append(f"    {layer:5d} {mean:10.3f} {lo:10.3f} {hi:10.3f}")
+    if ds.num_prompts and len(ds):
+        c = ds.components[0]
+        labels = ds.labels(c, prompt=0)
+        pos = labels["position"].tolist()
+        toks = labels["token_id"].tolist()
+        more = "..." if len(pos) > 12 else ""
+        plen = int(ds.prompt_lengths[0])
+        gen = sum(p >= plen for p in pos)
+        lines.append(f"prompt 0 (id {ds.prompt_ids[0]!r}, {plen} tokens): {len(pos)} {c} rows "
+                     f"({len(pos) - gen} prompt, {gen} generated), positions {pos[:12]}{more}, "
+                     f"token ids {toks[:12]}{more}")
+    ds.close()
+    return "\n".join(lines)
+
+
+def plot_norms(path: str | os.PathLike, out_png: str | os.PathLike,
+               components: Sequence[str] | None = None) -> Path:
+    """Per-layer mean activation norm by position, one panel per component, as a PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ds = load_dataset(path)
+    comps = list(components) if components else ds.components
+    fig, axes = plt.subplots(len(comps), 1, figsize=(8, 3.2 * len(comps)), squeeze=False)
+    for ax, c in zip(axes[:, 0], comps):
+        for layer in ds.layers(c):
+            _, _, _, pos_sum, pos_cnt = _layer_norms(ds, c, layer)
+            have = pos_cnt > 0
+            if not have.any():
+                continue
+            x = np.flatnonzero(have)
+            ax.plot(x, pos_sum[have] / pos_cnt[have], marker="." if len(x) < 64 else None,
+                    label=f"layer {layer}")
+        ax.set_title(f"{c}: mean L2 norm by position")
+        ax.set_xlabel("position")
+        ax.set_ylabel("mean ||x||")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize="small", ncol=min(4, len(ax.lines)))
+    fig.suptitle(str(ds.manifest.get("model")), fontsize="small")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    if out_png.parent and not out_png.parent.exists():
+        out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    ds.close()
+    return out_png
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Capture labelled activations (hidden states, attention "
+                "heads, router logits) from vLLM into sharded safetensors datasets.")
+    sub = p.add_subparsers(dest="command", metavar="{extract,inspect,demo}", parser_class=_Parser)
+    sub.required = True
+
+    e = sub.add_parser("extract", help="capture activations of a prompt file into a dataset folder",
+                       description="Capture activations of a prompt file into a dataset folder "
+                       "(resumable: rerun the same command after an interruption).")
+    e.add_argument("model", help="local model folder or a vLLM/Hugging Face model name")
+    e.add_argument("prompts", help=".txt (one prompt per line) or .jsonl ({\"prompt\", \"id\"?, "
+                   "\"select\"?} per line)")
+    e.add_argument("-o", "--out", required=True, help="output folder (created; resumed if it "
+                   "holds an unfinished run of the same command)")
+    e.add_argument("-c", "--components", action="append", default=None,
+                   help=f"comma-separated, repeatable: {', '.join(COMPONENTS)} "
+                   "(default hidden_states); each is captured by its own pass per batch")
+    e.add_argument("-l", "--layers", default="all",
+                   help="'all' (default) or e.g. 0,2,5-7 (negative: from the last layer)")
+    e.add_argument("-s", "--select", default="last",
+                   help="'last' (last prompt row, default), 'all' (every prompt row, plus "
+                   "generated rows with --max-tokens > 1) or a SelectSpec JSON object")
+    e.add_argument("--storage-dtype", default=None,
+                   help="float32, float16 or bfloat16 (default: the model's dtype)")
+    e.add_argument("--max-tokens", type=int, default=1,
+                   help="tokens to generate per prompt (N gives N-1 generated rows; default 1)")
+    e.add_argument("--batch-size", type=int, default=32, help="prompts per capture call (32)")
+    e.add_argument("--shard-rows", type=int, default=65536,
+                   help="write a shard once this many rows are buffered (65536)")
+    e.add_argument("--shard-mb", type=float, default=256.0,
+                   help="... or once this many MiB are buffered (256)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = e.add_argument_group("engine options (passed to vllm.LLM)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--enforce-eager", action="store_true", default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--dtype", default=None, help="model dtype (auto, float32, bfloat16, ...)")
+
+    i = sub.add_parser("inspect", help="summarize a dataset folder (optionally plot norms)")
+    i.add_argument("path", help="dataset folder")
+    i.add_argument("--plot", default=None, metavar="PNG",
+                   help="write per-layer activation norm by position to this PNG")
+    i.add_argument("--verify", action="store_true", help="check every shard's sha256")
+    i.add_argument("--no-stats", action="store_true", help="skip the norm statistics (no data read)")
+
+    d = sub.add_parser("demo", help="build a tiny Llama, extract a small dataset on CPU, inspect it")
+    d.add_argument("-o", "--out", default="vllm-capture-demo",
+                   help="dataset folder (default ./vllm-capture-demo)")
+    d.add_argument("--plot", default=None, metavar="PNG", help="also write the norm plot here")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _default_llm_factory(model: str, components: Sequence[str], engine_options: dict):
+    from vllm_capture.api import LLM
+
+    return LLM(model, capture_components=tuple(components), **engine_options)
+
+
+def _run_extract(model: str, prompts: Sequence, out: str, *, llm_factory: Callable,
+                 progress: bool = True, **options) -> dict:
+    """Validate everything that can be validated without an engine, then start one and extract."""
+    plan = plan_run(prompts, **options)
+    check_model(model, plan.components, plan.layers)
+    manifest = check_output(out, plan.fingerprint(model))
+    if manifest is not None and manifest.get("complete"):
+        print(f"{out}: already complete ({sum(manifest['rows'].values())} rows); nothing to do",
+              file=sys.stderr)
+        return {"out": str(out), "prompts": 0, "rows": 0, "seconds": 0.0,
+                "already_complete": True}
+    if manifest is not None:
+        done = manifest["shards"][-1]["prompt_end"] if manifest["shards"] else 0
+        print(f"{out}: resuming after prompt {done} of {len(plan.prompts)}", file=sys.stderr)
+    llm = llm_factory(model, plan.components, plan.engine_options)
+    return extract(llm, plan.prompts, out, model=model, components=plan.components,
+                   layers=plan.layers, select=plan.spec if plan.mode == "spec" else plan.mode,
+                   max_tokens=plan.max_tokens, storage_dtype=plan.storage_dtype,
+                   batch_size=plan.batch_size, shard_rows=plan.shard_rows,
+                   shard_mb=plan.shard_mb, engine_options=plan.engine_options,
+                   progress=progress)
+
+
+def _report(summary: dict) -> None:
+    if summary.get("already_complete") or not summary.get("prompts"):
+        return
+    print(f"captured {summary['rows']} rows from {summary['prompts']} prompts in "
+          f"{summary['seconds']:.1f} s ({summary['prompts_per_s']:.1f} prompts/s, "
+          f"{summary['rows_per_s']:.0f} rows/s), {summary['shards_written']} shard(s) written",
+          file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None, *, llm_factory: Callable | None = None) -> int:
+    """Entry point. ``llm_factory(model, components, engine_options)`` builds the engine
+    (tests inject a shared one)."""
+    args = build_parser().parse_args(argv)
+    factory = llm_factory or _default_llm_factory
+    try:
+        if args.command == "extract":
+            summary = _run_extract(
+                args.model, load_prompts(args.prompts), args.out, llm_factory=factory,
+                progress=not args.no_progress, components=args.components, layers=args.layers,
+                select=args.select, max_tokens=args.max_tokens, storage_dtype=args.storage_dtype,
+                batch_size=args.batch_size, shard_rows=args.shard_rows, shard_mb=args.shard_mb,
+                engine_options={k: getattr(args, k) for k in _ENGINE_OPTIONS})
+            _report(summary)
+            print(f"dataset written to {args.out}; inspect it with: {PROG} inspect {args.out}")
+            return 0
+        if args.command == "inspect":
+            print(summarize(args.path, stats=not args.no_stats, verify=args.verify))
+            if args.plot:
+                print(f"plot written to {plot_norms(args.path, args.plot)}")
+            return 0
+        if args.command == "demo":
+            return _demo(args, factory)
+    except (UsageError, DatasetError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 2
+
+
+def _demo(args, factory) -> int:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm_capture import tiny_models
+
+    t0 = time.perf_counter()
+    print("vllm-capture demo: building a tiny 4-layer Llama (random weights) ...", flush=True)
+    model = str(tiny_models.build("llama"))
+    print(f"  model folder: {model}", flush=True)
+    print(f"extracting {len(DEMO_PROMPTS)} prompts, components {', '.join(DEMO_COMPONENTS)}, "
+          f"every prompt row + {DEMO_MAX_TOKENS - 1} generated rows each "
+          "(the engine takes about a minute to start on CPU) ...", flush=True)
+    prompts = [Prompt(i, str(i), text) for i, text in enumerate(DEMO_PROMPTS)]
+    summary = _run_extract(
+        model, prompts, args.out, llm_factory=factory, progress=not args.no_progress,
+        components=list(DEMO_COMPONENTS), select="all", max_tokens=DEMO_MAX_TOKENS,
+        batch_size=8, shard_rows=64, engine_options=dict(DEMO_ENGINE))
+    _report(summary)
+    print()
+    print(summarize(args.out))
+    if args.plot:
+        print(f"plot written to {plot_norms(args.out, args.plot)}")
+    print()
+    print(f"done in {time.perf_counter() - t0:.0f} s. Next:")
+    print(f"  {PROG} inspect {args.out} --plot norms.png")
+    print(f"  python -c \"import vllm_capture as vc; ds = vc.load_dataset('{args.out}'); "
+          "print(ds.rows('hidden_states', 3, prompt=0).shape)\"")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""Activation datasets on disk: the format ``vllm-capture extract`` writes, and a lazy reader.
+
+Layout of a dataset folder::
+
+    manifest.json                 what was captured, how, and which shards are finished
+    prompts.jsonl                 one line per prompt: {"index", "id", "prompt", "select"}
+    shard-00000.safetensors       rows of prompts [prompt_start, prompt_end) (see manifest)
+    shard-00001.safetensors       ...
+
+Each shard holds, for every captured component ``C`` (``hidden_states``, ``attention_heads``,
+``router_logits``) and layer ``L``:
+
+* ``C.layer_L``       ``[rows, width]`` activations in the storage dtype (one row = one token
+  position of one prompt; ``attention_heads`` rows are head-major, see the manifest's layouts);
+* ``C.prompt_index``  int32 ``[rows]`` index of the prompt in the input file (0-based);
+* ``C.request_id``    int32 ``[rows]`` index into the manifest's ``request_ids`` table (the prompts'
+  ids: the JSONL ``id`` field, or ``str(prompt_index)``; ids are unique, so this equals
+  ``prompt_index``, and ``request_ids[request_id]`` gives the id string);
+* ``C.position``      int32 ``[rows]`` absolute sequence position (``position >= prompt length``
+  marks a generated row);
+* ``C.token_id``      int32 ``[rows]`` the input token id of the row.
+
+and, once per shard, ``prompt_length`` int32 ``[prompt_end - prompt_start]``: the token count of each
+prompt of the shard (rows with ``position >= prompt_length[prompt]`` are generated rows).
+
+Every layer of a component shares that component's label columns. Label columns are kept per
+component because each component is captured by its own pass over the prompts (see ``cli.py``).
+Inside a shard, rows are grouped by prompt (ascending index) and ordered by position.
+
+Shards are written to a temporary name and renamed once complete; a shard counts only once
+``manifest.json`` (also replaced atomically) lists it with its sha256, so a reader never sees a
+half-written shard.
+
+Reader API (``vllm_capture.load_dataset``)::
+
+    ds = load_dataset("out/", verify=False)     # verify=True hashes every shard first
+    ds.components                                # ["hidden_states", ...]
+    ds.layers("hidden_states")                   # [0, 1, 2, 3]
+    ds.layout("attention_heads", 0)              # {"width": 128, "num_heads": 4, "head_size": 32}
+    ds.dtype                                     # torch.float32
+    len(ds)                                      # rows of the first component
+    ds.num_rows("attention_heads")
+    ds.num_prompts, ds.prompt_ids, ds.prompts    # ids table; prompts.jsonl records (lazy)
+    ds.prompt_lengths                            # numpy int32 [num_prompts]: tokens per prompt
+    ds.rows("hidden_states", 3)                  # every row of layer 3: torch [rows, width]
+    ds.rows("hidden_states", 3, prompt=5)        # rows of prompt index 5
+    ds.rows("hidden_states", 3, prompt="doc-7")  # ... or of the prompt whose id is "doc-7"
+    ds.rows("hidden_states", 3, prompt=[0, 2], positions=range(4))
+    ds.labels("hidden_states", prompt=5)         # {"prompt_index", "request_id", "position",
+                                                 #  "token_id"}: numpy int32, same rows/order
+    for rows, labels in ds.iter_shards("hidden_states", 3): ...   # bounded memory
+    ds.verify()                                  # raises DatasetError on a bad/missing shard
+
+Data is read through ``safetensors.safe_open`` (memory-mapped): only the shards whose prompt range
+overlaps the query are opened, and only the row ranges that match are copied out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+FORMAT = "vllm-capture-dataset"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PROMPTS_FILE = "prompts.jsonl"
+SHARD_PREFIX = "shard-"
+SHARD_SUFFIX = ".safetensors"
+LABEL_COLUMNS = ("prompt_index", "request_id", "position", "token_id")
+PROMPT_LENGTH = "prompt_length"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class DatasetError(ValueError):
+    """A dataset folder is missing, malformed, or fails verification."""
+
+
+def tensor_name(component: str, layer: int) -> str:
+    return f"{component}.layer_{int(layer)}"
+
+
+def label_name(component: str, column: str) -> str:
+    return f"{component}.{column}"
+
+
+def shard_name(index: int) -> str:
+    return f"{SHARD_PREFIX}{index:05d}{SHARD_SUFFIX}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` via a temporary file + fsync + rename (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a dataset folder, checked for format; DatasetError if unusable."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise DatasetError(f"{folder}: no such dataset folder")
+    mpath = folder / MANIFEST
+    if not mpath.is_file():
+        raise DatasetError(f"{folder}: not a vllm-capture dataset (no {MANIFEST})")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DatasetError(f"{mpath}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DatasetError(f"{mpath}: not a vllm-capture dataset manifest "
+                           f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DatasetError(f"{mpath}: format version {manifest.get('version')!r}; this "
+                           f"vllm-capture reads version {FORMAT_VERSION}")
+    return manifest
+
+
+def _as_index_set(values, name: str) -> np.ndarray:
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+        return np.array([int(values)], dtype=np.int64)
+    try:
+        arr = np.array(list(values), dtype=np.int64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected an int or an iterable of ints, got {values!r}") from None
+    return arr
+
+
+class CaptureDataset:
+    """Lazy, memory-mapped view of an extracted dataset folder (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, verify: bool = False):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self._shards: list[dict] = list(self.manifest.get("shards", []))
+        self._handles: dict[str, Any] = {}
+        self._labels: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+        self._prompts: list[dict] | None = None
+        self._id_index: dict[str, int] | None = None
+        self._prompt_lengths: np.ndarray | None = None
+        for entry in self._shards:
+            if not (self.path / entry["file"]).is_file():
+                raise DatasetError(f"{self.path}: shard {entry['file']} listed in the manifest "
+                                   "is missing")
+        if verify:
+            self.verify()
+
+    # ---- description -----------------------------------------------------------------------
+
+    @property
+    def components(self) -> list[str]:
+        return list(self.manifest["components"])
+
+    def _component(self, component: str | None) -> str:
+        if component is None:
+            return self.components[0]
+        if component not in self.manifest["components"]:
+            raise KeyError(f"component {component!r} is not in this dataset "
+                           f"(it holds {self.components})")
+        return component
+
+    def layers(self, component: str | None = None) -> list[int]:
+        return [int(x) for x in self.manifest["layers"][self._component(component)]]
+
+    def layout(self, component: str | None, layer: int) -> dict[str, int]:
+        component = self._component(component)
+        self._check_layer(component, layer)
+        return dict(self.manifest["layouts"][component][str(int(layer))])
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        name = self.manifest.get("dtype")
+        return _DTYPES.get(name) if name else None
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    @property
+    def shards(self) -> list[dict]:
+        return [dict(s) for s in self._shards]
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts whose rows are in finished shards (all prompts once ``complete``)."""
+        return self._shards[-1]["prompt_end"] if self._shards else 0
+
+    @property
+    def prompt_ids(self) -> list[str]:
+        """The ``request_ids`` table: the id of every prompt, by prompt index."""
+        return list(self.manifest["request_ids"])
+
+    @property
+    def prompts(self) -> list[dict]:
+        """The input prompts (``index``, ``id``, ``prompt``, ``select``), read on first use."""
+        if self._prompts is None:
+            path = self.path / PROMPTS_FILE
+            if not path.is_file():
+                raise DatasetError(f"{self.path}: {PROMPTS_FILE} is missing")
+            with open(path, encoding="utf-8") as f:
+                self._prompts = [json.loads(line) for line in f if line.strip()]
+        return self._prompts
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        """Token count of every prompt in finished shards (reads one small tensor per shard)."""
+        if self._prompt_lengths is None:
+            parts = [self._handle(e).get_tensor(PROMPT_LENGTH).numpy() for e in self._shards]
+            self._prompt_lengths = (np.concatenate(parts) if parts
+                                    else np.empty(0, dtype=np.int32))
+        return self._prompt_lengths
+
+    def num_rows(self, component: str | None = None) -> int:
+        component = self._component(component)
+        return int(sum(s["rows"][component] for s in self._shards))
+
+    def __len__(self) -> int:
+        return self.num_rows(None)
+
+    def size_bytes(self) -> int:
+        return int(sum(s["bytes"] for s in self._shards))
+
+    def __repr__(self) -> str:
+        return (f"CaptureDataset({str(self.path)!r}, components={self.components}, "
+                f"prompts={self.num_prompts}, rows={len(self)}, shards={len(self._shards)})")
+
+    # ---- verification ----------------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Hash every finished shard against the manifest; DatasetError on the first mismatch."""
+        for entry in self._shards:
+            file = self.path / entry["file"]
+            if not file.is_file():
+                raise DatasetError(f"{file}: shard listed in the manifest is missing")
+            size = file.stat().st_size
+            if size != entry["bytes"]:
+                raise DatasetError(f"{file}: size {size} bytes, manifest says {entry['bytes']}")
+            digest = sha256_file(file)
+            if digest != entry["sha256"]:
+                raise DatasetError(f"{file}: sha256 {digest[:16]}... does not match the "
+                                   f"manifest's {entry['sha256'][:16]}... (file modified or "
+                                   "corrupt)")
+
+    # ---- access ----------------------------------------------------------------------------
+
+    def _check_layer(self, component: str, layer: int) -> None:
+        if int(layer) not in self.layers(component):
+            raise KeyError(f"{component}: layer {layer} is not in this dataset "
+                           f"(layers {self.layers(component)})")
+
+    def _handle(self, entry: dict):
+        from safetensors import safe_open
+
+        name = entry["file"]
+        if name not in self._handles:
+            self._handles[name] = safe_open(str(self.path / name), framework="pt")
+        return self._handles[name]
+
+    def _shard_labels(self, entry: dict, component: str) -> dict[str, np.ndarray]:
+        key = (entry["file"], component)
+        if key not in self._labels:
+            f = self._handle(entry)
+            self._labels[key] = {c: f.get_tensor(label_name(component, c)).numpy()
+                                 for c in LABEL_COLUMNS}
+        return self._labels[key]
+
+    def _prompt_indices(self, prompt) -> np.ndarray | None:
+        if prompt is None:
+            return None
+        items = [prompt] if isinstance(prompt, (str, int, np.integer)) else list(prompt)
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                if self._id_index is None:
+                    self._id_index = {pid: i for i, pid in enumerate(self.manifest["request_ids"])}
+                if item not in self._id_index:
+                    raise KeyError(f"no prompt with id {item!r} in this dataset")
+                out.append(self._id_index[item])
+            elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+                total = len(self.manifest["request_ids"])
+                index = int(item)
+                if not -total <= index < total:
+                    raise IndexError(f"prompt index {index} out of range for {total} prompts")
+                out.append(index % total)
+            else:
+                raise TypeError(f"prompt: expected an index (int), an id (str) or a list of "
+                                f"them, got {item!r}")
+        return np.unique(np.array(out, dtype=np.int64))
+
+    def _select(self, component: str, prompt, positions) -> Iterator[tuple[dict, np.ndarray]]:
+        """(shard entry, matching row indices) for every shard with matching rows."""
+        prompts = self._prompt_indices(prompt)
+        wanted_pos = None if positions is None else _as_index_set(positions, "positions")
+        for entry in self._shards:
+            if prompts is not None:
+                lo, hi = entry["prompt_start"], entry["prompt_end"]
+                if not ((prompts >= lo) & (prompts < hi)).any():
+                    continue
+            if entry["rows"][component] == 0:
+                continue
+            if prompts is None and wanted_pos is None:
+                yield entry, np.arange(entry["rows"][component])
+                continue
+            labels = self._shard_labels(entry, component)
+            mask = np.ones(len(labels["position"]), dtype=bool)
+            if prompts is not None:
+                mask &= np.isin(labels["prompt_index"], prompts)
+            if wanted_pos is not None:
+                mask &= np.isin(labels["position"], wanted_pos)
+            idx = np.flatnonzero(mask)
+            if idx.size:
+                yield entry, idx
+
+    @staticmethod
+    def _read_rows(sl, idx: np.ndarray, total: int) -> torch.Tensor:
+        if idx.size == total:
+            return sl[:]
+        # Read consecutive runs; a scattered selection reads its span once instead.
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        starts = np.concatenate([[0], breaks])
+        ends = np.concatenate([breaks, [idx.size]])
+        if len(starts) <= 32:
+            parts = [sl[int(idx[s]): int(idx[e - 1]) + 1] for s, e in zip(starts, ends)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        lo = int(idx[0])
+        span = sl[lo: int(idx[-1]) + 1]
+        return span[torch.from_numpy(idx - lo)]
+
+    def rows(self, component: str | None, layer: int, prompt=None, positions=None) -> torch.Tensor:
+        """Activation rows of one layer: all, or those of ``prompt`` (index, id or a list) and/or
+        ``positions`` (absolute positions: int or iterable), in dataset order."""
+        component = self._component(component)
+        self._check_layer(component, layer)
+        name = tensor_name(component, layer)
+        parts = []
+        for entry, idx in self._select(component, prompt, positions):
+            sl = self._handle(entry).get_slice(name)
+            parts.append(self._read_rows(sl, idx, entry["rows"][component]))
+        if not parts:
+            width = self.layout(component, layer)["width"]
+            return torch.empty((0, width), dtype=self.dtype or torch.float32)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def labels(self, component: str | None = None, prompt=None, positions=None) -> dict[str, np.ndarray]:
+        """Label columns of the same rows ``rows()`` returns for the same query."""
+        component = self._component(component)
+        parts = {c: [] for c in LABEL_COLUMNS}
+        for entry, idx in self._select(component, prompt, positions):
+            labels = self._shard_labels(entry, component)
+            for c in LABEL_COLUMNS:
+                parts[c].append(labels[c][idx])
+        return {c: (np.concatenate(v) if v else np.empty(0, dtype=np.int32))
+                for c, v in parts.items()}
+
+    def iter_shards(self, component: str | None, layer: int) -> Iterator[tuple[torch.Tensor, dict[str, np.ndarray]]]:
+        """``(rows, labels)`` shard by shard: a full pass over a layer in bounded memory."""
+        component = self._component(component)
+        self._check_layer(component, layer)
+        for entry in self._shards:
+            f = self._handle(entry)
+            yield (f.get_tensor(tensor_name(component, layer)),
+                   {c: f.get_tensor(label_name(component, c)).numpy() for c in LABEL_COLUMNS})
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._labels.clear()
+
+    def __enter__(self) -> "CaptureDataset":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_dataset(path: str | os.PathLike, verify: bool = False) -> CaptureDataset:
+    """Open a folder written by ``vllm-capture extract`` (lazily; ``verify=True`` hashes shards)."""
+    return CaptureDataset(path, verify=verify)
+
