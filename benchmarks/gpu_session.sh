@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
-#   bash benchmarks/gpu_session.sh SET      SET: dense | moe | bench-quick | bench-full | all
+#   bash benchmarks/gpu_session.sh SET [MODEL]   SET: dense | moe | dense+moe | bench-quick | bench-full
+#   (MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe; default 8b)
 set -uo pipefail
 SET=${1:-dense}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -31,7 +32,8 @@ case "$SET" in
     python3 $G compare --graph /tmp/mixtral_graph.pt --eager /tmp/mixtral_eager.pt --model-dir /tmp/tiny/mixtral --report "$OUT/moe_report.json" >"$OUT/moe_compare.log" 2>&1; echo "compare rc=$?"
     ;;
   bench-quick|bench-full)
-    python3 benchmarks/run.py --suite "${SET#bench-}" --out "$OUT" 2>&1 | tail -n 60
+    if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi
+    python3 benchmarks/run.py --suite "${SET#bench-}" $MODEL_ARGS --out "$OUT" 2>&1 | tail -n 60
     ;;
 esac
 echo "== summary"

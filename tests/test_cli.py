@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine_support import shutdown_llm
 from vllm_capture import tiny_models
 from vllm_capture.cli import DEMO_ENGINE, UsageError, extract, main
 from vllm_capture.dataset import DatasetError, load_dataset
@@ -50,13 +51,14 @@ def no_engine(*args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_model, tiny_dir):
     mp = pytest.MonkeyPatch()
-    folder = tmp_path_factory.mktemp("tiny")
-    # `demo` builds tiny_models.build("llama"): point it at the same folder as the engine's.
-    mp.setenv("VLLM_CAPTURE_TINY_DIR", str(folder))
+    # `demo` builds tiny_models.build("llama"): point it at the folder the engine loads.
+    mp.setenv("VLLM_CAPTURE_TINY_DIR", str(tiny_dir))
     mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    yield tiny_models.build("llama")
+    path = tiny_model("llama")
+    assert tiny_models.build("llama") == path
+    yield path
     mp.undo()
 
 
@@ -66,9 +68,7 @@ def llm(tiny):
 
     engine = vc.LLM(str(tiny), capture_components=tuple(COMPONENTS), **DEMO_ENGINE)
     yield engine
-    shutdown = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
-    if shutdown is not None and hasattr(shutdown, "shutdown"):
-        shutdown.shutdown()
+    shutdown_llm(engine)
     del engine
     gc.collect()
 

@@ -53,13 +53,17 @@ def _build(out: Path, config, seed: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
+    # The marker records what was asked for (not config.to_dict(), which save_pretrained rewrites),
+    # so a finished build is reused instead of rewritten on every call.
     marker = out / ".vllm-capture-tiny"
-    if marker.exists() and marker.read_text() == json.dumps(config.to_dict(), sort_keys=True):
+    wanted = json.dumps({"class": type(config).__name__, "seed": seed,
+                         "config": config.to_diff_dict()}, sort_keys=True, default=str)
+    if marker.exists() and marker.read_text() == wanted and (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
     _train_tokenizer(out)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is tiny (std 0.02); larger weights make per-layer activations distinct enough
     # that an off-by-one layer or row shows up far above float tolerance.
     with torch.no_grad():
@@ -67,7 +71,7 @@ def _build(out: Path, config, seed: int) -> Path:
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(out, safe_serialization=True)
-    marker.write_text(json.dumps(config.to_dict(), sort_keys=True))
+    marker.write_text(wanted)
     return out
 
 
