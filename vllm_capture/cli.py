@@ -15,10 +15,14 @@ Commands::
 (one object per line: ``prompt``, optional ``id``, optional ``select`` = a SelectSpec wire dict
 that replaces ``--select`` for that prompt). It processes the prompts in batches of
 ``--batch-size``; for every batch it captures each requested component in turn (one
-``capture()`` pass per component; generation is greedy, so every pass sees the same tokens), and
-writes a shard (see ``vllm_capture.dataset`` for the format) whenever the buffered rows reach
-``--shard-rows`` or ``--shard-mb``. Memory therefore stays bounded by one shard plus one batch,
-whatever the corpus size.
+``capture()`` pass per component, so each component's rows carry their own label columns;
+generation is greedy, so the passes normally generate the same tokens). It writes a shard (see
+``vllm_capture.dataset`` for the format) whenever the buffered rows reach ``--shard-rows`` or
+``--shard-mb``, so memory stays bounded by one shard plus one batch, whatever the corpus size.
+A shard holds whole batches; ``rows`` counts token positions per component.
+
+The engine is injectable: ``extract(llm, prompts, out_dir, model=...)`` does the work for an
+engine built by ``vllm_capture.LLM``; ``main(argv, llm_factory=...)`` is the command line.
 
 Selections: ``last`` = the last prompt row of each prompt (``SelectSpec(prompt_positions=[-1])``);
 ``all`` = every prompt row, plus the generated rows when ``--max-tokens`` > 1 (``max_tokens=N``

@@ -47,7 +47,7 @@ BLOCK_T = 64
 #: MODE_MEAN segments of at most this many rows are summed together, one row per iteration.
 MEAN_SHORT = 16
 #: warps per program (no autotuning: a fixed, small configuration).
-NUM_WARPS = 4
+NUM_WARPS = 8
 
 if HAVE_TRITON:
     from .accumulate import accumulate_segments_tile
