@@ -43,7 +43,7 @@ COMPONENT_NAMES = ("hidden_states", "attention_heads", "router_logits")
 # ---- engine -------------------------------------------------------------------------------------
 
 def make_llm(path: str | os.PathLike, **overrides):
-    """A capture-ready engine on the tiny checkpoint at ``path``; returns (llm, start-up seconds)."""
+    """A capture-ready engine on the tiny checkpoint at ``path``; returns (llm, start-up s)."""
     import vllm_capture
 
     kwargs = {**ENGINE_KWARGS, **overrides}
@@ -265,7 +265,8 @@ def brute_force_positions(wire: dict | None, prompt_ids: Sequence[int],
     prompt_covered = w["prompt"] == "all" or any(
         w[k] is not None for k in ("prompt_tokens", "prompt_positions", "prompt_window"))
     gen_covered = w["generation"] == "all" or any(
-        w[k] is not None for k in ("generation_tokens", "generation_positions", "generation_window"))
+        w[k] is not None
+        for k in ("generation_tokens", "generation_positions", "generation_window"))
     if prompt_covered:
         for p, tok in enumerate(prompt_ids):
             inc = (w["prompt"] == "all"

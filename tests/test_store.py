@@ -487,3 +487,16 @@ def test_concurrent_appends_and_drains_return_every_row_exactly_once():
     expected = appenders * 2 * requests_per_thread * steps * layers
     assert sum(seen.values()) == expected and set(seen.values()) == {1}
     assert store.status()["requests"] == 0 and store.status()["bytes_stored"] == 0
+
+
+def test_budget_drop_counts_each_row_once_across_layers():
+    """A row the budget cuts is cut in every layer; tokens_dropped counts sequence rows."""
+    store = StreamStore(StreamConfig(budget_rows=3))
+    idx = store.request_index("r-0123abcd")
+    for layer in range(4):
+        meta = torch.tensor([[idx, p, 7] for p in range(5)], dtype=torch.int32)
+        store.append(layer, torch.zeros(5, 2), meta, f"layers.{layer}")
+    assert store.tokens_stored == 3
+    assert store.tokens_dropped == 2
+    store.count_dropped(4)
+    assert store.status()["tokens_dropped"] == 6

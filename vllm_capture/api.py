@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -34,8 +35,19 @@ def LLM(model: str, *, capture_components: Sequence[str] = COMPONENTS,
 
 # ---- RPC helpers (one entry per worker; rank 0 carries replicated components) -------------------
 
+_TAGGED = re.compile(r"\[vllm-capture (ValueError|RuntimeError)\] (.*?)(?:', please check the stack trace.*)?$",
+                     re.S)
+
+
 def _rpc(llm, method: str, *args) -> list[dict]:
-    return llm.collective_rpc(method, args=args)
+    """Call a capture RPC on every worker; worker errors come back as ValueError/RuntimeError."""
+    try:
+        return llm.collective_rpc(method, args=args)
+    except Exception as exc:
+        m = _TAGGED.search(str(exc))
+        if m is None:
+            raise
+        raise (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2)) from exc
 
 
 def start_capture(llm, stream: str = HIDDEN_STATES, **config) -> dict:

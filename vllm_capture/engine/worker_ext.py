@@ -107,6 +107,24 @@ _patch_load_model()
 _share_vllm_log_handlers()
 
 
+ERROR_TAG = "[vllm-capture {kind}] "
+
+
+def _tagged_errors(method):
+    """Tag errors with their type: vLLM hands worker errors to the client as a bare Exception
+    carrying only the message, and the client (``api._rpc``) re-raises the original type."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (ValueError, RuntimeError, KeyError) as exc:
+            kind = "ValueError" if isinstance(exc, (ValueError, KeyError)) else "RuntimeError"
+            raise type(exc)(ERROR_TAG.format(kind=kind) + str(exc)) from exc
+
+    return wrapper
+
+
 class CaptureWorkerExtension:
     """Mixed into vLLM's Worker; ``self`` is the worker."""
 
@@ -128,6 +146,7 @@ class CaptureWorkerExtension:
         except Exception:
             return {"tp_rank": 0, "tp_size": 1}
 
+    @_tagged_errors
     def start_capture(self, stream: str, config: dict | None = None) -> dict:
         session = self._capture_session()
         if config is not None and not isinstance(config, dict):
@@ -135,11 +154,13 @@ class CaptureWorkerExtension:
         session.enable_stream(stream, **(config or {}))
         return {**self._capture_rank(), **session.stream_status(stream)}
 
+    @_tagged_errors
     def stop_capture(self, stream: str) -> dict:
         session = self._capture_session()
         session.disable_stream(stream)
         return self._capture_rank()
 
+    @_tagged_errors
     def fetch_captured(self, stream: str, clear: bool = True, layers: list | None = None,
                        req_ids: list | None = None) -> dict:
         session = self._capture_session()
@@ -147,10 +168,12 @@ class CaptureWorkerExtension:
             data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids)
         return {**self._capture_rank(), "layers": {str(k): v for k, v in data.items()}}
 
+    @_tagged_errors
     def clear_captured(self, stream: str) -> dict:
         self._capture_session().clear_stream(stream)
         return self._capture_rank()
 
+    @_tagged_errors
     def capture_status(self, stream: str) -> dict:
         status = self._capture_session().stream_status(stream)
         status["layouts"] = {str(k): v for k, v in status["layouts"].items()}

@@ -86,7 +86,10 @@ class StreamStore:
         # and draining frees room, so it bounds memory, not run length.
         self._layer_rows: dict[int, int] = {}
         self._bytes_stored = 0
-        self.tokens_dropped = 0
+        # Rows cut before the store (device ring) and, per layer, by the budget. A row the budget
+        # cuts is cut in every layer of the stream, so it counts once: the largest layer count.
+        self._ring_dropped = 0
+        self._budget_dropped: dict[int, int] = {}
         self._warned_budget = False
         self.lock = threading.RLock()
 
@@ -291,7 +294,12 @@ class StreamStore:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"dropped row count must be a nonnegative int, got {count!r}")
         with self.lock:
-            self.tokens_dropped += count
+            self._ring_dropped += count
+
+    @property
+    def tokens_dropped(self) -> int:
+        """Selected rows (sequence tokens) that were not stored, each counted once."""
+        return self._ring_dropped + max(self._budget_dropped.values(), default=0)
 
     def _limit_rows(self, layer_id: int, count: int) -> int:
         budget = self.config.budget_rows
@@ -299,7 +307,7 @@ class StreamStore:
             return count
         keep = min(count, max(0, budget - self._layer_rows.get(layer_id, 0)))
         if keep < count:
-            self.tokens_dropped += count - keep
+            self._budget_dropped[layer_id] = self._budget_dropped.get(layer_id, 0) + count - keep
             if not self._warned_budget:
                 self._warned_budget = True
                 logger.warning(
@@ -452,7 +460,8 @@ class StreamStore:
                 by_layer.clear()
             self.elided_reqs.clear()
             self._failed_requests.clear()
-            self.tokens_dropped = 0
+            self._ring_dropped = 0
+            self._budget_dropped.clear()
             self._warned_budget = False
             self._reclaim_requests(set(self._finished))
 
