@@ -13,7 +13,7 @@ import torch
 
 from vllm_capture.engine.config import engine_kwargs
 from vllm_capture.selection import SelectSpec
-from vllm_capture.session.components import COMPONENTS, HIDDEN_STATES
+from vllm_capture.session.components import ATTENTION_HEADS, COMPONENTS, HIDDEN_STATES
 from vllm_capture.session.session import EXTRA_ARGS_KEY
 from vllm_capture.session.wire import CaptureMeta, deserialize_captured, match_capture_request_id
 
@@ -64,12 +64,66 @@ def capture_status(llm, stream: str = HIDDEN_STATES) -> dict:
 
 def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
                    layers: list[int] | None = None, req_ids: list[str] | None = None):
-    """Fetch and decode: ``(tensors, meta, layouts)`` keyed by layer id."""
-    reply = _rpc(llm, "fetch_captured", stream, clear, layers, req_ids)[0]
-    wire = reply["layers"]
-    tensors, meta = deserialize_captured(wire)
-    layouts = {int(k): dict(v["layout"]) for k, v in wire.items() if v.get("layout")}
-    return tensors, meta, layouts
+    """Fetch and decode: ``(tensors, meta, layouts)`` keyed by layer id (shards joined)."""
+    return join_shards(stream, _rpc(llm, "fetch_captured", stream, clear, layers, req_ids))
+
+
+def join_shards(stream: str, replies: list[dict]):
+    """One result from the per-rank replies of a tensor-parallel engine.
+
+    Hidden states and router logits are replicated on every rank: rank 0's rows are the result.
+    Attention heads are sharded by head: rank r holds heads ``[r*H/tp, (r+1)*H/tp)``, so the
+    ranks' rows are joined along the feature dimension in rank order, after checking that every
+    rank captured the same rows. An incomplete or inconsistent set of shards raises.
+    """
+    if not replies:
+        raise RuntimeError("no worker replied to fetch_captured")
+    tp_size = int(replies[0].get("tp_size", 1))
+    by_rank: dict[int, dict] = {}
+    for reply in replies:
+        rank = int(reply.get("tp_rank", 0))
+        if int(reply.get("tp_size", 1)) != tp_size:
+            raise RuntimeError("capture shards disagree on tp_size")
+        if rank in by_rank:
+            raise RuntimeError(f"capture shards: rank {rank} replied twice (pipeline parallelism "
+                               "is not supported)")
+        by_rank[rank] = reply
+    missing = sorted(set(range(tp_size)) - set(by_rank))
+    if missing:
+        raise RuntimeError(f"incomplete capture shards: ranks {missing} of tp_size={tp_size} "
+                           "did not reply; refusing to return a partial result")
+    decoded = [deserialize_captured(by_rank[r]["layers"]) for r in range(tp_size)]
+    layouts_by_rank = [{int(k): dict(v["layout"]) for k, v in by_rank[r]["layers"].items()
+                        if v.get("layout")} for r in range(tp_size)]
+    tensors, meta = decoded[0]
+    layouts = layouts_by_rank[0]
+    if stream != ATTENTION_HEADS or tp_size == 1:
+        return tensors, meta, layouts
+    joined, joined_layouts = {}, {}
+    for layer in tensors:
+        parts = []
+        for r, (t, m) in enumerate(decoded):
+            if layer not in t:
+                raise RuntimeError(f"incomplete capture shards: rank {r} has no rows for "
+                                   f"layer {layer}")
+            other = m[layer]
+            if (other.req_ids != meta[layer].req_ids
+                    or not torch.equal(other.positions, meta[layer].positions)
+                    or not torch.equal(other.token_ids, meta[layer].token_ids)):
+                raise RuntimeError(f"capture shards of layer {layer} hold different rows on "
+                                   f"rank 0 and rank {r}")
+            parts.append(t[layer])
+        joined[layer] = torch.cat(parts, dim=1)
+        shard = [layouts_by_rank[r].get(layer, {}) for r in range(tp_size)]
+        if all(shard):
+            joined_layouts[layer] = {
+                "width": sum(s["width"] for s in shard),
+                "num_heads": sum(s["num_heads"] for s in shard),
+                "head_size": shard[0]["head_size"],
+                "tp_size": tp_size,
+                "heads_per_rank": [s["num_heads"] for s in shard],
+            }
+    return joined, meta, joined_layouts
 
 
 # ---- capture() ---------------------------------------------------------------------------------

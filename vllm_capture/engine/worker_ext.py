@@ -47,6 +47,12 @@ def install(worker) -> CaptureSession | None:
     runner = worker.model_runner
     if getattr(worker.vllm_config.parallel_config, "enable_dbo", False):
         raise ValueError("vllm-capture does not support dual-batch overlap (enable_dbo)")
+    pass_config = getattr(worker.vllm_config.compilation_config, "pass_config", None)
+    for flag in ("enable_sp", "fuse_gemm_comms"):
+        if getattr(pass_config, flag, False):
+            # Sequence parallelism shards the residual stream by token: a rank's rows would no
+            # longer be the step's rows.
+            raise ValueError(f"vllm-capture needs compilation_config.pass_config.{flag}=False")
     model = runner.get_model()
     model_config = worker.vllm_config.model_config
     targets = [t for t in find_targets(model, model_config.get_hidden_size(), model_config.dtype)

@@ -1,0 +1,84 @@
+"""Client-side join of tensor-parallel capture shards (synthetic per-rank payloads, no engine)."""
+
+import pytest
+import torch
+
+from vllm_capture.api import join_shards
+from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES
+from vllm_capture.session.wire import serialize_capture_layer
+
+HEADS, HEAD_SIZE, ROWS = 8, 4, 6
+
+
+def _meta(rows=ROWS, shift=0):
+    return torch.tensor([[i % 2, i + shift, 100 + i] for i in range(rows)], dtype=torch.int32)
+
+
+def _reply(rank, tp, layers, full, meta=None, stream=ATTENTION_HEADS):
+    """What rank ``rank`` of a TP=``tp`` engine returns for ``full`` [rows, HEADS*HEAD_SIZE]."""
+    per = HEADS // tp
+    out = {}
+    for layer in layers:
+        if stream == ATTENTION_HEADS:
+            shard = full[layer][:, rank * per * HEAD_SIZE:(rank + 1) * per * HEAD_SIZE].contiguous()
+            layout = {"width": per * HEAD_SIZE, "num_heads": per, "head_size": HEAD_SIZE}
+        else:
+            shard, layout = full[layer], {"width": full[layer].shape[1]}
+        wire = serialize_capture_layer(shard, _meta() if meta is None else meta,
+                                       ["a-0123abcd", "b-89abcdef"], f"layers.{layer}")
+        wire["layout"] = layout
+        out[str(layer)] = wire
+    return {"tp_rank": rank, "tp_size": tp, "layers": out}
+
+
+@pytest.fixture
+def full():
+    g = torch.Generator().manual_seed(0)
+    return {layer: torch.randn(ROWS, HEADS * HEAD_SIZE, generator=g) for layer in (0, 3)}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_heads_join_in_global_head_order(full, tp):
+    replies = [_reply(r, tp, full, full) for r in reversed(range(tp))]  # any reply order
+    tensors, meta, layouts = join_shards(ATTENTION_HEADS, replies)
+    for layer in full:
+        assert torch.equal(tensors[layer], full[layer])
+        assert meta[layer].positions.tolist() == list(range(ROWS))
+        assert layouts[layer]["width"] == HEADS * HEAD_SIZE
+        assert layouts[layer]["num_heads"] == HEADS
+        if tp > 1:
+            assert layouts[layer]["heads_per_rank"] == [HEADS // tp] * tp
+
+
+def test_replicated_components_come_from_rank_zero(full):
+    replies = [_reply(r, 2, full, full, stream=HIDDEN_STATES) for r in (1, 0)]
+    tensors, _, _ = join_shards(HIDDEN_STATES, replies)
+    assert all(torch.equal(tensors[k], full[k]) for k in full)
+
+
+def test_missing_rank_is_refused(full):
+    with pytest.raises(RuntimeError, match=r"incomplete capture shards: ranks \[1\]"):
+        join_shards(ATTENTION_HEADS, [_reply(0, 2, full, full)])
+
+
+def test_missing_layer_on_one_rank_is_refused(full):
+    replies = [_reply(0, 2, full, full), _reply(1, 2, {0: None}, full)]
+    with pytest.raises(RuntimeError, match="rank 1 has no rows for layer 3"):
+        join_shards(ATTENTION_HEADS, replies)
+
+
+def test_ranks_with_different_rows_are_refused(full):
+    replies = [_reply(0, 2, full, full), _reply(1, 2, full, full, meta=_meta(shift=1))]
+    with pytest.raises(RuntimeError, match="different rows"):
+        join_shards(ATTENTION_HEADS, replies)
+
+
+def test_duplicate_rank_and_size_mismatch_are_refused(full):
+    with pytest.raises(RuntimeError, match="twice"):
+        join_shards(ATTENTION_HEADS, [_reply(0, 2, full, full), _reply(0, 2, full, full)])
+    bad = _reply(1, 2, full, full)
+    bad["tp_size"] = 4
+    with pytest.raises(RuntimeError, match="tp_size"):
+        join_shards(ATTENTION_HEADS, [_reply(0, 2, full, full), bad])
+    with pytest.raises(RuntimeError, match="no worker"):
+        join_shards(ATTENTION_HEADS, [])
