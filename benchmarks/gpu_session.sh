@@ -33,7 +33,7 @@ case "$SET" in
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi
-    python3 benchmarks/run.py --suite "${SET#bench-}" $MODEL_ARGS --out "$OUT" 2>&1 | tail -n 60
+    python3 benchmarks/run.py --suite "${SET#bench-}" $MODEL_ARGS ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 60
     ;;
 esac
 echo "== summary"

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from . import layout as L
-from .common import HAVE_TRITON, load_rows_f32, tl, triton
+from .common import HAVE_TRITON, load_rows_f32, max0, sum0, tl, triton
 from .gather import _rows_f32, _token_ids
 
 if HAVE_TRITON:
@@ -75,7 +75,7 @@ if HAVE_TRITON:
           a plain sequential sum over the rows, ``acc += ((r0 + r1) + r2) + ...``.
         * ``cnt > SHORT`` (prefill chunks): one segment at a time; rows go ``BLOCK_T`` per
           iteration into a [BLOCK_T, BLOCK_W] accumulator (row ``t`` into lane ``t % BLOCK_T``,
-          sequentially), reduced once at the end by ``tl.sum`` (a fixed tree). This keeps
+          sequentially), reduced once at the end by ``sum0`` (``tl.sum``: a fixed tree). This keeps
           ``BLOCK_T`` rows of loads in flight per iteration instead of one.
         """
         cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -90,9 +90,9 @@ if HAVE_TRITON:
         slot64 = slot.to(tl.int64)
         if IS_MEAN:
             short = ok & (cnt <= SHORT)
-            n_steps = tl.max(tl.where(short, cnt, 0), axis=0)
+            n_steps = max0(tl.where(short, cnt, 0))
             if n_steps > 0:
-                total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
+                total = tl.full([BLOCK_R, BLOCK_W], 0.0, tl.float32)
                 for i in range(0, n_steps):
                     rows64 = (start + i).to(tl.int64)
                     m = (short & (i < cnt))[:, None] & cmask[None, :]
@@ -105,7 +105,7 @@ if HAVE_TRITON:
                     req = tl.load(plan_ptr + _SEG_REQ * cap + s, mask=short, other=0)
                     tl.store(acc_labels_ptr + slot64 * _LABEL_FIELDS + _LABEL_REQ, req, mask=short)
                     tl.atomic_add(acc_count_ptr + slot, cnt, mask=short)
-            n_long = tl.sum((ok & (cnt > SHORT)).to(tl.int32), axis=0)
+            n_long = sum0((ok & (cnt > SHORT)).to(tl.int32))
             if n_long > 0:
                 for j in range(BLOCK_R):
                     sj = pid_r * BLOCK_R + j
@@ -114,7 +114,7 @@ if HAVE_TRITON:
                         ct = tl.load(plan_ptr + _SEG_COUNT * cap + sj)
                         sl = tl.load(plan_ptr + _SEG_SLOT * cap + sj)
                         if (ct > SHORT) & (st >= 0) & (st <= T - ct) & (sl >= 0) & (sl < n_acc):
-                            part = tl.zeros([BLOCK_T, BLOCK_W], dtype=tl.float32)
+                            part = tl.full([BLOCK_T, BLOCK_W], 0.0, tl.float32)
                             for t0 in range(0, ct, BLOCK_T):
                                 tt = t0 + tl.arange(0, BLOCK_T)
                                 rows64 = (st + tt).to(tl.int64)
@@ -124,7 +124,7 @@ if HAVE_TRITON:
                                                       HAS_RES, UNIT_W)
                             sl64 = sl.to(tl.int64)
                             a_ptrs = acc_ptr + sl64 * W + cols64
-                            tl.store(a_ptrs, tl.load(a_ptrs, mask=cmask, other=0.0) + tl.sum(part, axis=0),
+                            tl.store(a_ptrs, tl.load(a_ptrs, mask=cmask, other=0.0) + sum0(part),
                                      mask=cmask)
                             if pid_w == 0:
                                 req = tl.load(plan_ptr + _SEG_REQ * cap + sj)

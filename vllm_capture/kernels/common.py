@@ -10,6 +10,14 @@ results in the interpreter, on the GPU and in ``torch.Tensor.to(torch.bfloat16)`
 kernel writes the canonical 0x7FFF; torch's CPU path writes 0xFFFF, the GPU path 0x7FFF). The
 extra integer ops are free in a memory-bound copy. bf16 -> fp32 is likewise done as a 16-bit shift
 (exact, and immune to the interpreter's subnormal handling).
+
+Why no ``tl.sum`` / ``tl.max`` / ``tl.zeros``: those live in ``triton.language.standard`` as
+``@jit`` functions, created when Triton is first imported. If Triton was imported before
+``TRITON_INTERPRET=1`` was set (e.g. by another test module in the same pytest process), they are
+compiled-mode functions that the interpreter cannot call. So the kernels use ``tl.full``
+(a builtin) for zeros, and ``sum0``/``max0`` below, which under the interpreter are spelled as the
+builtin ``tl.reduce`` with Triton's own combiners (exactly what ``tl.sum``/``tl.max`` expand to)
+and on the GPU are ``tl.sum``/``tl.max`` themselves.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ except ImportError:  # CPU-only install
     triton = None
     tl = None
     HAVE_TRITON = False
-    to_f32 = from_f32 = load_rows_f32 = None
+    to_f32 = from_f32 = load_rows_f32 = sum0 = max0 = None
 
 
 def interpreting() -> bool:
@@ -34,6 +42,30 @@ def interpreting() -> bool:
 
 
 if HAVE_TRITON:
+
+    if interpreting():
+        # Interpreter: the builtin tl.reduce with Triton's own combiners (recognised by the
+        # interpreter, which then uses numpy), valid even if Triton was imported before
+        # TRITON_INTERPRET was set.
+        @triton.jit
+        def sum0(v):
+            """``tl.sum(v, axis=0)`` (see the module docstring)."""
+            return tl.reduce(v, 0, tl.standard._sum_combine)
+
+        @triton.jit
+        def max0(v):
+            """``tl.max(v, axis=0)`` (see the module docstring)."""
+            return tl.reduce(v, 0, tl.standard._elementwise_max)
+    else:
+        @triton.jit
+        def sum0(v):
+            """``tl.sum(v, axis=0)``."""
+            return tl.sum(v, axis=0)
+
+        @triton.jit
+        def max0(v):
+            """``tl.max(v, axis=0)``."""
+            return tl.max(v, axis=0)
 
     @triton.jit
     def to_f32(v):
