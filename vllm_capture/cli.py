@@ -59,23 +59,14 @@ from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFES
                                   label_name, load_dataset, read_manifest, sha256_file,
                                   shard_name, tensor_name, write_json_atomic, write_text_atomic)
 from vllm_capture.session.components import COMPONENTS, HIDDEN_STATES, ROUTER_LOGITS
+from vllm_capture.tiny_models import CORPUS
 
 PROG = "vllm-capture"
 
-# The demo's prompts use the tiny model's word-level vocabulary (tiny_models.CORPUS).
+# The demo's prompts: the tiny model's training sentences (its word-level vocabulary) and a few
+# recombinations of them.
 DEMO_PROMPTS = [
-    "the quick brown fox jumps over the lazy dog",
-    "a capture of hidden states from every layer of the model",
-    "attention heads write their outputs before the output projection",
-    "router logits choose which experts see each token",
-    "continuous batching mixes prompts of different lengths in one step",
-    "chunked prefill spreads a long prompt over several steps",
-    "the ring buffer is drained after every step without blocking",
-    "researchers read activations to steer and to understand models",
-    "one two three four five six seven eight nine ten",
-    "red green blue yellow black white orange purple",
-    "monday tuesday wednesday thursday friday saturday sunday",
-    "north south east west up down left right",
+    *CORPUS,
     "the lazy dog sees the brown fox",
     "one layer of the model reads the hidden states",
     "every step the router logits choose experts",

@@ -124,7 +124,6 @@ class CaptureGraphState:
         if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device=self.device)
             self._slot_free = {}
-            warmup(self.device, sorted({s.dtype for s in self.sites.values()}, key=str))
         self.ready = True
 
     @property
@@ -134,8 +133,15 @@ class CaptureGraphState:
                    if s.ring is not None)
 
     def set_input_ids(self, input_ids: torch.Tensor) -> None:
-        """The runner's persistent token-id buffer; the kernels read row labels from it."""
+        """The runner's persistent token-id buffer; the kernels read row labels from it.
+
+        Then the kernel variants this model needs are compiled, before vLLM captures graphs:
+        one per (site dtype, with/without residual) for this token-id dtype.
+        """
         self.input_ids = input_ids
+        if self.device.type == "cuda":
+            warmup(self.device, sorted({s.dtype for s in self.sites.values()}, key=str),
+                   ids_dtypes=(input_ids.dtype,))
 
     def set_enabled(self, component: str, layers: set[int] | None) -> None:
         """Switch sites of ``component`` on (layers=None: all) or off (empty set)."""

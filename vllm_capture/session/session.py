@@ -10,6 +10,7 @@ recycled after every row of it has been stored.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -120,6 +121,11 @@ class CaptureSession:
                 "Capture hooks are not attached to this model; attachment happens once at model "
                 "load (build the engine with vllm_capture.LLM or vllm_capture.engine_kwargs)."
             )
+        allowed = set(inspect.signature(StreamConfig).parameters)
+        unknown = sorted(set(config_kwargs) - allowed)
+        if unknown:
+            raise ValueError(f"unknown stream option(s) {unknown}; StreamConfig takes "
+                             f"{sorted(allowed)}")
         config = StreamConfig(**config_kwargs)
         available = self.hooked_layers(stream)
         if not available:
