@@ -34,6 +34,13 @@ def make_prompts(n: int) -> list[str]:
 
 def run(args) -> None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if args.inproc:
+        # One process (no EngineCore subprocess), so a hang can be diagnosed from its stacks.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.stack_dump_s:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_s, exit=True)
     if args.v1:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     import vllm_capture as vc
@@ -184,6 +191,9 @@ def main() -> None:
     r.add_argument("--max-tokens", type=int, default=16)
     r.add_argument("--batched-tokens", type=int, default=256)
     r.add_argument("--out", required=True)
+    r.add_argument("--inproc", action="store_true", help="run the engine in this process")
+    r.add_argument("--stack-dump-s", type=float, default=0,
+                   help="dump every thread's stack and exit after this many seconds")
     c = sub.add_parser("compare")
     c.add_argument("--graph", required=True)
     c.add_argument("--eager")

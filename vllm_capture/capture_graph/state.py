@@ -244,26 +244,47 @@ class CaptureGraphState:
 
     # ---- reductions ------------------------------------------------------------------------------
 
+    def _device_index(self, values: list[int]) -> torch.Tensor:
+        """An index tensor on the device, copied from pinned memory so the host does not wait."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def reset_acc_slots(self, component: str, slots: list[int]) -> None:
         if not slots:
             return
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        idx = self._device_index(slots)
         for s in self.sites_of(component):
             s.acc.index_fill_(0, idx, 0.0)
             s.acc_count.index_fill_(0, idx, 0)
             s.acc_labels.index_fill_(0, idx, 0)
 
-    def read_acc_slots(self, component: str, slots: list[int]):
-        """Copy accumulator rows of ``slots`` to host: {layer: (acc fp32, labels, counts)}.
+    def read_acc_slots(self, component: str, slots: list[int]) -> DrainedRows:
+        """Enqueue copies of the accumulators of ``slots`` to host memory, without waiting.
 
-        Runs at request finish or fetch, outside the forward; it waits for the device.
+        ``layers`` maps layer -> (acc fp32 [n, W], labels int32 [n, 3], counts int32 [n]). The
+        gather runs on the main stream, ahead of any later reset or reuse of those slots.
         """
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        out = {}
-        for s in self.sites_of(component):
-            if not s.enabled:
-                continue
-            out[s.layer_id] = (s.acc.index_select(0, idx).cpu(),
-                               s.acc_labels.index_select(0, idx).cpu(),
-                               s.acc_count.index_select(0, idx).cpu())
-        return out
+        idx = self._device_index(slots)
+        sites = [s for s in self.sites_of(component) if s.enabled]
+        picked = {s.layer_id: (s.acc.index_select(0, idx), s.acc_labels.index_select(0, idx),
+                               s.acc_count.index_select(0, idx)) for s in sites}
+        names = {s.layer_id: s.layer_name for s in sites}
+        if self.device.type != "cuda":
+            return DrainedRows(component, len(slots), picked, names)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        layers = {}
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(done)
+            for layer_id, tensors in picked.items():
+                host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+                for h, t in zip(host, tensors):
+                    h.copy_(t, non_blocking=True)
+                    # The gathered temporaries must outlive the copy that reads them.
+                    t.record_stream(self._copy_stream)
+                layers[layer_id] = host
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return DrainedRows(component, len(slots), layers, names, event)

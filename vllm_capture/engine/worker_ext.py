@@ -45,6 +45,9 @@ def install(worker) -> CaptureSession | None:
     if cfg is None:
         return None
     runner = worker.model_runner
+    if worker.vllm_config.speculative_config is not None:
+        # Draft tokens are rows of the step that may be rejected and recomputed.
+        raise ValueError("vllm-capture does not support speculative decoding (speculative_config)")
     if getattr(worker.vllm_config.parallel_config, "enable_dbo", False):
         raise ValueError("vllm-capture does not support dual-batch overlap (enable_dbo)")
     pass_config = getattr(worker.vllm_config.compilation_config, "pass_config", None)

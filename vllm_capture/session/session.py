@@ -77,8 +77,7 @@ class _Reduced:
     req_ids: list[str]
     req_index: list[int]
     positions: list[int]
-    layers: dict  # layer_id -> (acc, labels, counts) host tensors
-    layer_names: dict[int, str]
+    acc: Any  # DrainedRows: layer_id -> (acc, labels, counts)
     dtypes: dict[int, torch.dtype]
 
 
@@ -370,15 +369,13 @@ class CaptureSession:
         req_ids = [r for r in req_ids if r in st.slots]
         if not req_ids:
             return
-        gs = self.graph_state
         slots = [st.slots[r] for r in req_ids]
-        sites = [s for s in gs.sites_of(st.component) if s.enabled]
-        layers = gs.read_acc_slots(st.component, slots)
+        drained = self.graph_state.read_acc_slots(st.component, slots)
         positions = [st.last_position.get(r, -1) if st.config.reduce == "last" else -1
                      for r in req_ids]
+        dtypes = {s.layer_id: s.dtype for s in self.graph_state.sites_of(st.component)}
         self._queue.put(_Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
-                                 layers, {s.layer_id: s.layer_name for s in sites},
-                                 {s.layer_id: s.dtype for s in sites}))
+                                 drained, dtypes))
         for r, slot in zip(req_ids, slots):
             del st.slots[r]
             st.last_position.pop(r, None)
@@ -430,7 +427,8 @@ class CaptureSession:
     @staticmethod
     def _store_reduced(item: _Reduced) -> None:
         mean = item.stream.config.reduce == "mean"
-        for layer_id, (acc, acc_labels, counts) in item.layers.items():
+        item.acc.wait()
+        for layer_id, (acc, acc_labels, counts) in item.acc.layers.items():
             values = acc / counts.clamp(min=1).unsqueeze(1).to(acc.dtype) if mean else acc
             values = values.to(item.dtypes[layer_id])
             meta = torch.empty((len(item.req_ids), 3), dtype=torch.int32)
@@ -440,7 +438,7 @@ class CaptureSession:
             empty = counts == 0
             if bool(empty.any()):
                 values, meta = values[~empty], meta[~empty]
-            item.stream.store.append(layer_id, values, meta, item.layer_names[layer_id])
+            item.stream.store.append(layer_id, values, meta, item.acc.layer_names[layer_id])
 
 
 def selects_positions_below(track: RequestTrack, stop: int) -> bool:

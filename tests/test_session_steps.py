@@ -1,0 +1,891 @@
+"""The whole worker-side data path on CPU, without an engine.
+
+A fake model (3 ``hidden_states`` sites of width 5, fp32, with a residual; 2 ``attention_heads``
+sites of width 6, fp16, column-strided views) runs inside a simulated scheduler: chunked prefill,
+decode, joins and leaves, preemption (recompute of prompt + generated tokens), prefix-cache hits,
+padding rows and dummy requests. Each step goes through the real ``CaptureSession`` and
+``CaptureGraphState`` exactly as the runner wrappers drive them (``add_request`` /
+``finish_requests`` before the step, ``begin_step(geometry)`` with every host token id -1 as the
+engine builds it, one ``state.handle`` per site, ``end_step``), and what ``fetch_stream`` returns is
+compared with a brute-force reference written here from the SelectSpec definition (the planner is
+not used for the reference).
+
+Activation rows are small pseudo-random integers keyed by (request, position, component, layer,
+column), exact in fp16 and fp32, so a row attributed to the wrong request, position or layer (or
+one missing its residual) is detected.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import vllm_capture.session.config as config_module
+from tests.test_selection_spec import select_specs
+from vllm_capture.capture_graph.state import CaptureGraphState
+from vllm_capture.kernels import layout as L
+from vllm_capture.selection import BatchGeometry, SelectSpec
+from vllm_capture.session.session import CaptureSession
+from vllm_capture.session.wire import deserialize_captured
+
+HS, AH = "hidden_states", "attention_heads"
+# Forward order of the fake model's call sites: (component, layer, width, dtype).
+SITES = (
+    (HS, 0, 5, torch.float32),
+    (AH, 0, 6, torch.float16),
+    (HS, 1, 5, torch.float32),
+    (AH, 1, 6, torch.float16),
+    (HS, 2, 5, torch.float32),
+)
+LAYERS = {HS: (0, 1, 2), AH: (0, 1)}
+WIDTH = {HS: 5, AH: 6}
+DTYPE = {HS: torch.float32, AH: torch.float16}
+SALT = {HS: 101, AH: 202}
+LAYOUTS = {
+    HS: {layer: {"hidden_size": 5} for layer in LAYERS[HS]},
+    AH: {layer: {"num_heads": 2, "head_dim": 3} for layer in LAYERS[AH]},
+    "router_logits": {},
+}
+VOCAB = 5  # token ids of the select_specs strategy; every listed token is < VOCAB
+MAX_ROWS = 96  # the runner's persistent input_ids buffer
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch):
+    monkeypatch.setattr(config_module, "_warned_unbounded", True)
+
+
+# ---- activations ------------------------------------------------------------------------------
+
+
+def act(num: int, positions, component: str, layer: int) -> np.ndarray:
+    """The (x + residual) rows of request ``num`` at ``positions``: ints in [-1000, 1000]."""
+    pos = np.asarray(positions, dtype=np.uint64).reshape(-1, 1)
+    j = np.arange(WIDTH[component], dtype=np.uint64).reshape(1, -1)
+    h = (np.uint64(num) * np.uint64(1000003) + pos * np.uint64(7919) + j * np.uint64(31337)
+         + np.uint64(SALT[component] * 613 + layer * 97))
+    h = h * np.uint64(0x9E3779B97F4A7C15)
+    h ^= h >> np.uint64(29)
+    h = h * np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(31)
+    return ((h % np.uint64(2001)).astype(np.int64) - 1000).astype(np.float32)
+
+
+# ---- the simulated engine ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Req:
+    num: int
+    prompt: list
+    gen: list  # generated tokens that are fed back (max_tokens - 1 of them)
+    client: str = ""
+    capture: dict | None = None  # extra_args["capture"]
+    n: int = 1
+    arrive: int = 0
+    cache_hit: int = 0
+    preemptions: int = 0
+    computed: int = 0
+    known: int = 0
+    started: bool = False
+    done: bool = False
+    rejoin: bool = False  # preempted; re-announced when scheduled again
+
+    def __post_init__(self):
+        self.client = self.client or f"c{self.num}"
+        self.known = len(self.prompt)
+
+    @property
+    def rid(self) -> str:
+        return f"{self.client}-{self.num:08x}"
+
+    @property
+    def seq(self) -> list:
+        return self.prompt + self.gen
+
+    @property
+    def total(self) -> int:
+        return len(self.prompt) + len(self.gen)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def sampling_params(self):
+        extra = {} if self.capture is None else {"capture": self.capture}
+        return types.SimpleNamespace(extra_args=extra, n=self.n)
+
+
+@dataclass
+class Entry:
+    """One request's rows in one step."""
+
+    req: Req | None  # None: a dummy request the session never heard of
+    rid: str
+    first: int
+    rows: int
+    row_start: int
+
+
+class Engine:
+    """CaptureGraphState + CaptureSession driven like the V1 runner wrappers drive them."""
+
+    def __init__(self, capacity=MAX_ROWS, acc_slots=8, ring_slots=2, ids_dtype=torch.int32,
+                 host_tokens_rng: random.Random | None = None):
+        self.state = CaptureGraphState(device=torch.device("cpu"), capacity=capacity,
+                                       ring_slots=ring_slots, acc_slots=acc_slots)
+        self.counters = []
+        for component, layer, width, dtype in SITES:
+            counter = self.state.add_site(component, layer, f"model.layers.{layer}.{component}",
+                                          width, dtype)
+            self.counters.append((component, layer, counter))
+        self.state.allocate()
+        self.input_ids = torch.full((MAX_ROWS,), 3, dtype=ids_dtype)
+        self.state.set_input_ids(self.input_ids)
+        self.session = CaptureSession(self.state, LAYOUTS)
+        self.finished: list[Req] = []
+        self.step_no = 0
+        self.steps: list[list[Entry]] = []
+        self.refs: list = []  # reference streams observing every step
+        self.noise = np.random.default_rng(1234)
+        self.host_tokens_rng = host_tokens_rng
+        self.handle_calls = 0
+
+    def site(self, component, layer):
+        return next(s for s in self.state.sites_of(component) if s.layer_id == layer)
+
+    # -- scheduler output ------------------------------------------------------------------------
+
+    def observe(self, batch) -> None:
+        if self.finished:
+            rids = [r.rid for r in self.finished]
+            self.session.finish_requests(rids)
+            for ref in self.refs:
+                ref.on_finish(rids)
+            self.finished = []
+        for req, _ in batch:
+            if req is None or isinstance(req, str):
+                continue
+            if not req.started:
+                req.started, req.computed = True, req.cache_hit
+                self.session.add_request(req.rid, list(req.prompt), req.sampling_params(),
+                                         num_computed_tokens=req.cache_hit)
+            elif req.rejoin:
+                # A resumed request is announced again with everything it has as its "prompt";
+                # the session must keep the original prompt length.
+                req.rejoin = False
+                self.session.add_request(req.rid, req.seq[: req.known], req.sampling_params(), 0)
+
+    def preempt(self, req: Req) -> None:
+        req.computed, req.rejoin = 0, True
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def step(self, batch, pad: int = 0) -> list[Entry]:
+        """Run one step; ``batch`` is [(Req | dummy-id str, rows)] in batch order."""
+        self.observe(batch)
+        entries, row = [], 0
+        for req, rows in batch:
+            if isinstance(req, str):
+                entries.append(Entry(None, req, 5, rows, row))
+            else:
+                assert not req.done and rows >= 1
+                assert req.computed + rows <= min(req.known, req.total), "scheduled unknown tokens"
+                entries.append(Entry(req, req.rid, req.computed, rows, row))
+            row += rows
+        total = row
+        padded = total + pad
+        assert padded <= MAX_ROWS
+        qsl = np.array([0] + [e.row_start + e.rows for e in entries], dtype=np.int32)
+        tokens = np.full(total, -1, dtype=np.int32)
+        ids = np.asarray(self.noise.integers(0, VOCAB, MAX_ROWS), dtype=np.int64)  # stale/padding
+        for e in entries:
+            for k in range(e.rows):
+                q = e.first + k
+                if e.req is not None:
+                    ids[e.row_start + k] = e.req.seq[q]
+                    if self.host_tokens_rng is not None and self.host_tokens_rng.random() < 0.5:
+                        tokens[e.row_start + k] = e.req.seq[q]  # a host that knows the token
+        self.input_ids.copy_(torch.from_numpy(ids).to(self.input_ids.dtype))
+        geometry = BatchGeometry(
+            req_ids=tuple(e.rid for e in entries),
+            query_start_loc=qsl,
+            num_computed=np.array([e.first for e in entries], dtype=np.int64),
+            num_rows_padded=padded,
+            token_ids=tokens,
+        )
+        for ref in self.refs:
+            ref.on_step(self.step_no, entries)
+        if self.session.any_stream_enabled():  # as the runner wrapper does
+            self.session.begin_step(geometry)
+            try:
+                self.forward(entries, padded)
+            finally:
+                self.session.end_step()
+        else:
+            self.forward(entries, padded)
+        for e in entries:
+            if e.req is None:
+                continue
+            r = e.req
+            r.computed += e.rows
+            if r.computed == r.known:  # this step sampled a token
+                if r.known == r.total:
+                    r.done = True
+                    self.finished.append(r)
+                else:
+                    r.known += 1
+        self.steps.append(entries)
+        self.step_no += 1
+        return entries
+
+    def forward(self, entries, padded: int) -> None:
+        for component, layer, counter in self.counters:
+            width = WIDTH[component]
+            true = self.noise.integers(-3000, 3000, (padded, width)).astype(np.float32)  # padding
+            for e in entries:
+                if e.req is not None:
+                    true[e.row_start:e.row_start + e.rows] = act(
+                        e.req.num, range(e.first, e.first + e.rows), component, layer)
+            if component == HS:
+                residual = self.noise.integers(-500, 500, (padded, width)).astype(np.float32)
+                x = torch.from_numpy(true - residual).to(DTYPE[component])
+                res = torch.from_numpy(residual).to(DTYPE[component])
+            else:
+                # A column-strided view, as Inductor may hand over.
+                base = torch.zeros((padded, 2 * width), dtype=DTYPE[component])
+                x = base[:, ::2]
+                x.copy_(torch.from_numpy(true))
+                res = None
+            self.state.handle(x, res, counter)
+            self.handle_calls += 1
+
+    # -- client side -------------------------------------------------------------------------------
+
+    def fetch(self, component, **kwargs):
+        """fetch_stream + deserialize_captured, checked for layouts and per-layer consistency."""
+        payload = self.session.fetch_stream(component, **kwargs)
+        for layer, info in payload.items():
+            assert info["layout"] == LAYOUTS[component][layer]
+            assert info["layer_name"] == f"model.layers.{layer}.{component}"
+        tensors, metas = deserialize_captured(payload)
+        return tensors, metas
+
+
+def decode_rows(tensors, metas):
+    """{layer: [(rid, position, token, values)]} in fetched row order."""
+    out = {}
+    for layer, tensor in tensors.items():
+        m = metas[layer]
+        assert tensor.shape[0] == len(m)
+        out[layer] = [
+            (rid, int(p), int(t), tensor[i].float().numpy())
+            for i, (rid, p, t) in enumerate(zip(m.req_ids, m.positions.tolist(),
+                                                  m.token_ids.tolist()))
+        ]
+    return out
+
+
+# ---- reference ----------------------------------------------------------------------------------
+
+
+def ref_selected(spec: SelectSpec | None, prompt_len: int, position: int, token: int) -> bool:
+    """Is the row at ``position`` with input ``token`` selected? Straight from the definition."""
+    if spec is None:
+        return True
+    if position < prompt_len:
+        phase, index = "prompt", position
+
+        def by_positions(values):
+            hit = set()
+            for v in values:
+                if v < 0:
+                    if prompt_len + v >= 0:
+                        hit.add(prompt_len + v)
+                else:
+                    hit.add(min(v, prompt_len - 1))
+            return index in hit
+
+        def by_window(window):
+            return index in range(prompt_len)[slice(*window)]
+    else:
+        phase, index = "generation", position - prompt_len
+
+        def by_positions(values):
+            return index in values
+
+        def by_window(window):
+            return index >= window[0] and (window[1] is None or index < window[1])
+
+    def matches(prefix):
+        tokens, positions, window = (getattr(spec, f"{prefix}{phase}_{k}")
+                                     for k in ("tokens", "positions", "window"))
+        return ((tokens is not None and token in tokens)
+                or (positions is not None and by_positions(positions))
+                or (window is not None and by_window(window)))
+
+    covered = getattr(spec, phase) == "all" or any(
+        getattr(spec, f"{phase}_{k}") is not None for k in ("tokens", "positions", "window"))
+    if not covered:
+        return False
+    included = getattr(spec, phase) == "all" or matches("")
+    return included and not matches("exclude_")
+
+
+def ref_may_select(spec, prompt_len, position, token) -> bool:
+    """Selected for some token, when ``token`` is None (the host could not know it)."""
+    if token is not None:
+        return ref_selected(spec, prompt_len, position, token)
+    return any(ref_selected(spec, prompt_len, position, t) for t in range(VOCAB + 1))
+
+
+def resolve_select(req: Req, component: str, stream_select):
+    """(SelectSpec | None, per-request?) for one request on one stream."""
+    raw = req.capture
+    if raw is not None:
+        if set(raw) <= {HS, AH, "router_logits"}:
+            wire = raw.get(component)
+        else:
+            wire = raw
+        if wire is not None:
+            return SelectSpec.from_wire(wire), True
+    return (None if stream_select is None else SelectSpec.from_wire(stream_select)), False
+
+
+class RefStream:
+    """Independent model of one stream: what every request should yield."""
+
+    def __init__(self, component, acc_slots, reduce="all", select=None, layers=None,
+                 active=True):
+        self.component = component
+        self.active = active  # set when the test enables the stream
+        self.reduce = reduce
+        self.select = select
+        self.layers = tuple(sorted(layers)) if layers is not None else LAYERS[component]
+        self.acc_slots = acc_slots
+        self.status: dict[str, str] = {}  # rid -> ok | elided | failed
+        self.req: dict[str, Req] = {}
+        self.first: dict[str, int] = {}
+        self.high: dict[str, int] = {}
+        self.selected: dict[str, list] = {}  # rid -> [(position, step, row)] in step order
+        self.fed: dict[str, list] = {}  # rid -> positions reduced, in order
+        self.holding: set[str] = set()  # requests holding an accumulator slot
+
+    def on_finish(self, rids):
+        for rid in rids:
+            self.holding.discard(rid)
+
+    def on_step(self, step_no, entries):
+        if not self.active:
+            return
+        for e in entries:
+            r = e.req
+            if r is None:
+                continue
+            rid = r.rid
+            if rid not in self.status:
+                self._open(r, e.first)
+            if self.status[rid] == "failed":
+                continue
+            for k in range(e.rows):
+                q = e.first + k
+                if q < self.high[rid]:
+                    continue  # recomputed after preemption: captured once
+                self.fed[rid].append(q)
+                if ref_selected(self.spec(r), r.prompt_len, q, r.seq[q]):
+                    self.selected[rid].append((q, step_no, e.row_start + k))
+            self.high[rid] = max(self.high[rid], e.first + e.rows)
+
+    def spec(self, r):
+        return resolve_select(r, self.component, self.select)[0]
+
+    def _open(self, r: Req, first: int):
+        rid = r.rid
+        self.req[rid], self.first[rid], self.high[rid] = r, first, 0
+        self.selected[rid], self.fed[rid] = [], []
+        spec, per_request = resolve_select(r, self.component, self.select)
+        if r.n != 1 or (per_request and self.reduce != "all"):
+            self.status[rid] = "failed"
+            return
+        status = "ok"
+        if first > 0:
+            if self.reduce == "mean":
+                status = "elided"
+            elif self.reduce == "all" and any(
+                    ref_may_select(spec, r.prompt_len, q, r.seq[q] if q < r.prompt_len else None)
+                    for q in range(first)):
+                status = "elided"
+        if self.reduce != "all":
+            if len(self.holding) >= self.acc_slots:
+                self.status[rid] = "failed"
+                return
+            self.holding.add(rid)
+        self.status[rid] = status
+
+    def ok(self):
+        return sorted(rid for rid, s in self.status.items() if s == "ok")
+
+    def expected_rows(self, rids):
+        """{(rid, position)} selected for ``rids``."""
+        return {(rid, q) for rid in rids for q, _, _ in self.selected[rid]}
+
+
+def check_rows(ref: RefStream, rows_by_layer, expected: set):
+    """Fetched rows of every layer == ``expected`` (rid, position) pairs, values and tokens right."""
+    comp = ref.component
+    assert set(rows_by_layer) <= set(ref.layers), "a layer outside the stream's filter came back"
+    if not expected:
+        assert rows_by_layer == {}
+        return
+    assert set(rows_by_layer) == set(ref.layers)
+    for layer, rows in rows_by_layer.items():
+        keys = [(rid, q) for rid, q, _, _ in rows]
+        assert len(keys) == len(set(keys)), f"layer {layer}: a row came back twice"
+        assert set(keys) == expected, (
+            f"layer {layer}: missing {sorted(expected - set(keys))[:8]}, "
+            f"unexpected {sorted(set(keys) - expected)[:8]}")
+        last_pos: dict[str, int] = {}
+        for rid, q, token, values in rows:
+            r = ref.req[rid]
+            assert token == r.seq[q], f"{rid}@{q}: token label {token} != {r.seq[q]}"
+            np.testing.assert_array_equal(values, act(r.num, [q], comp, layer)[0],
+                                          err_msg=f"{comp} layer {layer} {rid}@{q}")
+            # Each request's rows come back contiguous and position-ordered.
+            assert last_pos.get(rid, -1) < q
+            last_pos[rid] = q
+
+
+def merge(collected: dict, rows_by_layer):
+    """Accumulate cleared fetches; a row may never come back twice across fetches."""
+    for layer, rows in rows_by_layer.items():
+        # In one fetch, each request's rows are contiguous.
+        order = [rid for rid, _, _, _ in rows]
+        runs = [rid for i, rid in enumerate(order) if i == 0 or order[i - 1] != rid]
+        assert len(runs) == len(set(runs)), f"layer {layer}: a request's rows are not contiguous"
+        bucket = collected.setdefault(layer, [])
+        seen = {(rid, q) for rid, q, _, _ in bucket}
+        for row in rows:
+            assert (row[0], row[1]) not in seen, f"layer {layer}: {row[:2]} fetched twice"
+        bucket.extend(rows)
+
+
+# ---- random scheduler ---------------------------------------------------------------------------
+
+
+def make_requests(rng: random.Random, count: int, specs, first_num=0, cache_hits=True,
+                  max_prompt=10, max_gen=6, preempt=True, arrive_max=6):
+    reqs = []
+    for i in range(count):
+        prompt_len = rng.randint(1, max_prompt)
+        capture = None
+        spec = specs[i % len(specs)] if specs else None
+        if spec is not None and rng.random() < 0.5:
+            wire = spec.to_wire()
+            capture = wire if rng.random() < 0.6 else {rng.choice([HS, AH]): wire}
+        reqs.append(Req(
+            num=first_num + i,
+            prompt=[rng.randrange(VOCAB) for _ in range(prompt_len)],
+            gen=[rng.randrange(VOCAB) for _ in range(rng.randint(0, max_gen))],
+            client=f"c{first_num + i}" if rng.random() < 0.8 else "shared",
+            capture=capture,
+            arrive=rng.randint(0, arrive_max),
+            cache_hit=rng.choice([0, 0, 0, rng.randrange(prompt_len)]) if cache_hits else 0,
+            preemptions=rng.randint(0, 2) if preempt else 0,
+        ))
+    return reqs
+
+
+def random_batch(rng: random.Random, engine: Engine, reqs, step_no, max_batch=None):
+    """One scheduler decision: preemptions, then (request, rows) in random order, maybe dummies."""
+    waiting = [r for r in reqs if r.arrive <= step_no and not r.done]
+    for r in waiting:
+        if r.started and r.computed and r.preemptions and rng.random() < 0.1:
+            r.preemptions -= 1
+            engine.preempt(r)
+    batch_reqs = [r for r in waiting if rng.random() < 0.8] or waiting[:1]
+    if max_batch is not None:
+        batch_reqs = batch_reqs[:max_batch]
+    rng.shuffle(batch_reqs)
+    batch = []
+    for r in batch_reqs:
+        start = r.computed if r.started else r.cache_hit
+        rows = min(rng.randint(1, 6), min(r.known, r.total) - start)
+        batch.append((r, rows))
+    if batch and rng.random() < 0.15:
+        batch.insert(rng.randrange(len(batch) + 1), (f"_dummy_req_{step_no}", rng.randint(1, 3)))
+    return batch
+
+
+def run_schedule(rng, engine, reqs, on_step=None, max_steps=400, max_batch=None):
+    step = 0
+    while not all(r.done for r in reqs):
+        assert step < max_steps
+        if on_step is not None:
+            on_step(step)
+        batch = random_batch(rng, engine, reqs, step, max_batch)
+        if batch:
+            engine.step(batch, pad=rng.randint(0, 3))
+        step += 1
+    return step
+
+
+def quiet():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("ignore")  # clamped prompt positions
+    return ctx
+
+
+# ---- 1. reduce="all": random schedules vs the reference ----------------------------------------
+
+
+@st.composite
+def all_scenarios(draw):
+    rng = draw(st.randoms(use_true_random=False))
+    specs = draw(st.lists(select_specs(), min_size=0, max_size=3))
+    streams = {}
+    for component in (HS, AH):
+        if component == HS or draw(st.booleans()):
+            select = draw(st.none() | select_specs())
+            layers = draw(st.none() | st.lists(st.sampled_from(LAYERS[component]), min_size=1,
+                                               max_size=2, unique=True))
+            enabled_at = draw(st.sampled_from([0, 0, 0, 1, 3, 6]))
+            streams[component] = dict(select=None if select is None else select.to_wire(),
+                                      layers=layers, enabled_at=enabled_at)
+    count = draw(st.integers(1, 6))
+    fetch_every = draw(st.sampled_from([None, 2, 5]))
+    host_tokens = draw(st.booleans())
+    return rng, specs, streams, count, fetch_every, host_tokens
+
+
+@settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=all_scenarios())
+def test_all_rows_random_schedules_match_the_reference(scenario):
+    rng, specs, streams, count, fetch_every, host_tokens = scenario
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # clamped prompt positions
+        engine = Engine(acc_slots=4, host_tokens_rng=random.Random(7) if host_tokens else None)
+        reqs = make_requests(rng, count, specs)
+        refs = {c: RefStream(c, 4, select=cfg["select"], layers=cfg["layers"], active=False)
+                for c, cfg in streams.items()}
+        engine.refs = list(refs.values())
+        collected = {c: {} for c in refs}
+
+        def enable(component):
+            cfg = streams[component]
+            engine.session.enable_stream(component, select=cfg["select"], layers=cfg["layers"])
+            refs[component].active = True
+
+        def on_step(step):
+            for component, cfg in streams.items():
+                if cfg["enabled_at"] == step:
+                    enable(component)
+            if fetch_every and step and step % fetch_every == 0:
+                for component, ref in refs.items():
+                    if not ref.active:
+                        continue
+                    # Requests clean so far, by engine id or client id.
+                    ids = [rid if rng.random() < 0.5 else ref.req[rid].client
+                           for rid in ref.ok() if rng.random() < 0.7]
+                    ids = [i for i in ids if not _client_is_tainted(ref, i)]
+                    if ids:
+                        merge(collected[component],
+                              decode_rows(*engine.fetch(component, clear=True, req_ids=ids)))
+
+        run_schedule(rng, engine, reqs, on_step)
+        for component, ref in refs.items():
+            if not ref.active:
+                enable(component)  # enabled after everything ran: captures nothing
+            ok = ref.ok()
+            if ok:
+                peek = decode_rows(*engine.fetch(component, clear=False, req_ids=ok))
+                drained = decode_rows(*engine.fetch(component, clear=True, req_ids=ok))
+                assert _as_keys(peek) == _as_keys(drained)
+                merge(collected[component], drained)
+            check_rows(ref, collected[component], ref.expected_rows(ok))
+            status = engine.session.stream_status(component)
+            assert status["tokens_dropped"] == 0 and status["pending_reductions"] == 0
+            elided = [rid for rid, s in ref.status.items() if s == "elided"]
+            assert status["cache_elided_reqs"] == len(elided)
+            assert status["failed_reqs"] == 0
+            if elided:
+                with pytest.raises(RuntimeError, match="skip_reading_prefix_cache"):
+                    engine.session.fetch_stream(component)
+            else:
+                assert engine.session.fetch_stream(component) == {}
+
+
+def _as_keys(rows_by_layer):
+    return {layer: [(rid, q, t) for rid, q, t, _ in rows] for layer, rows in rows_by_layer.items()}
+
+
+def _client_is_tainted(ref: RefStream, client_or_rid: str) -> bool:
+    """A client id shared with an elided or failed request would make the fetch raise."""
+    return any(s != "ok" and (rid == client_or_rid or ref.req[rid].client == client_or_rid)
+               for rid, s in ref.status.items())
+
+
+# ---- 2. ring capacity: cut rows are counted, never silently lost -------------------------------
+
+
+def _decidable(spec: SelectSpec | None) -> bool:
+    """The host decides every row (no condition on a decode token it cannot know)."""
+    return spec is None or (spec.generation_tokens is None
+                            and spec.exclude_generation_tokens is None)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False), capacity=st.integers(1, 8),
+       spec=st.none() | select_specs(), count=st.integers(1, 6))
+def test_capacity_cuts_are_counted_per_step(rng, capacity, spec, count):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine(capacity=capacity)
+        select = None if spec is None else spec.to_wire()
+        ref = RefStream(HS, 8, select=select)
+        engine.refs = [ref]
+        engine.session.enable_stream(HS, select=select)
+        reqs = make_requests(rng, count, [], cache_hits=False)
+        total_stored = total_dropped = 0
+        dropped_before = 0
+        collected = {}
+        step = 0
+        while not all(r.done for r in reqs):
+            batch = random_batch(rng, engine, reqs, step)
+            step += 1
+            if not batch:
+                continue
+            engine.step(batch, pad=rng.randint(0, 3))
+            dropped = engine.session.stream_status(HS)["tokens_dropped"]
+            delta, dropped_before = dropped - dropped_before, dropped
+            rows = decode_rows(*engine.fetch(HS, clear=True))
+            merge(collected, rows)
+            stored = {(rid, q) for rid, q, _, _ in rows.get(0, [])}
+            this_step = sorted(((row, (rid, q)) for rid in ref.selected
+                                for q, s, row in ref.selected[rid] if s == engine.step_no - 1))
+            selected = [key for _, key in this_step]
+            # What was kept is a prefix (in row order) of what was selected, within capacity.
+            assert len(stored) <= capacity
+            assert set(selected[: len(stored)]) == stored
+            assert delta >= len(selected) - len(stored)
+            if delta == 0:
+                assert stored == set(selected)
+            if _decidable(spec):
+                assert len(stored) == min(capacity, len(selected))
+                assert delta == len(selected) - len(stored)
+            total_stored += len(stored)
+            total_dropped += delta
+        everything = ref.expected_rows(ref.ok())
+        kept = {(rid, q) for rid, q, _, _ in collected.get(0, [])}
+        check_rows(ref, collected, kept)  # values, tokens and layers of what was kept
+        assert kept <= everything
+        assert total_stored + total_dropped >= len(everything)
+        if _decidable(spec):
+            assert total_stored + total_dropped == len(everything)
+
+
+def test_capacity_example_with_stream_status():
+    """Three prompts of 4 rows each in one step, capacity 5: 5 stored, 7 dropped."""
+    engine = Engine(capacity=5)
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    reqs = [Req(num=i, prompt=[1, 2, 3, 4], gen=[]) for i in range(3)]
+    engine.step([(r, 4) for r in reqs], pad=2)
+    status = engine.session.stream_status(HS)
+    assert status["tokens_stored"] == 5 and status["tokens_dropped"] == 7
+    rows = decode_rows(*engine.fetch(HS))
+    check_rows(ref, rows, {(reqs[0].rid, q) for q in range(4)} | {(reqs[1].rid, 0)})
+
+
+# ---- 3. budget_rows -------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False), budget=st.integers(0, 25),
+       spec=st.none() | select_specs(), count=st.integers(1, 6),
+       layers=st.none() | st.just([0, 2]))
+def test_budget_rows_per_layer(rng, budget, spec, count, layers):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine()
+        select = None if spec is None else spec.to_wire()
+        ref = RefStream(HS, 8, select=select, layers=layers)
+        engine.refs = [ref]
+        engine.session.enable_stream(HS, select=select, budget_rows=budget, layers=layers)
+        reqs = make_requests(rng, count, [], cache_hits=False)
+        held, dropped, kept_ref, collected = 0, 0, set(), {}
+        step = 0
+        while not all(r.done for r in reqs):
+            batch = random_batch(rng, engine, reqs, step)
+            step += 1
+            if not batch:
+                continue
+            engine.step(batch)
+            this_step = sorted((row, (rid, q)) for rid in ref.selected
+                               for q, s, row in ref.selected[rid] if s == engine.step_no - 1)
+            room = max(0, budget - held)
+            kept_ref |= {key for _, key in this_step[:room]}
+            held += min(room, len(this_step))
+            dropped += max(0, len(this_step) - room)
+            status = engine.session.stream_status(HS)
+            assert status["tokens_stored"] == held <= budget
+            assert status["tokens_dropped"] == dropped
+            if rng.random() < 0.3:  # a cleared fetch frees the budget
+                merge(collected, decode_rows(*engine.fetch(HS, clear=True)))
+                held = 0
+        merge(collected, decode_rows(*engine.fetch(HS, clear=True)))
+        check_rows(ref, collected, kept_ref)
+        total = len(ref.expected_rows(ref.ok()))
+        assert engine.session.stream_status(HS)["tokens_dropped"] == total - len(kept_ref)
+
+
+def test_budget_example_counts_each_row_once():
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, budget_rows=3)
+    req = Req(num=0, prompt=[1, 2, 3, 4, 0], gen=[2, 3])
+    engine.step([(req, 5)])
+    engine.step([(req, 1)])
+    engine.step([(req, 1)])
+    status = engine.session.stream_status(HS)
+    assert status["tokens_stored"] == 3 and status["tokens_dropped"] == 4  # once, not per layer
+    rows = decode_rows(*engine.fetch(HS))
+    assert {layer: len(r) for layer, r in rows.items()} == {0: 3, 1: 3, 2: 3}
+    check_rows(ref, rows, {(req.rid, q) for q in range(3)})
+
+
+# ---- 4. reduce="last" / "mean" ------------------------------------------------------------------
+
+
+def check_reduced(ref: RefStream, rows_by_layer, rids):
+    """One row per request and layer: the final fed row (last) or the mean of all (mean)."""
+    comp = ref.component
+    if not rids:
+        assert rows_by_layer == {}
+        return
+    assert set(rows_by_layer) == set(ref.layers)
+    for layer, rows in rows_by_layer.items():
+        assert sorted(rid for rid, _, _, _ in rows) == sorted(rids), f"layer {layer}"
+        for rid, q, token, values in rows:
+            r, fed = ref.req[rid], ref.fed[rid]
+            assert fed and len(fed) == len(set(fed))
+            if ref.reduce == "last":
+                last = fed[-1]
+                assert last == r.total - 1  # the final fed row
+                assert (q, token) == (last, r.seq[last])
+                np.testing.assert_array_equal(values, act(r.num, [last], comp, layer)[0])
+            else:
+                assert (q, token) == (-1, -1)
+                want = act(r.num, fed, comp, layer).astype(np.float64).mean(axis=0)
+                atol = 1e-3 if DTYPE[comp] == torch.float32 else 0.5
+                np.testing.assert_allclose(values, want, rtol=1e-3, atol=atol,
+                                           err_msg=f"mean {comp} layer {layer} {rid}")
+
+
+@st.composite
+def reduce_scenarios(draw):
+    rng = draw(st.randoms(use_true_random=False))
+    streams = {HS: dict(reduce=draw(st.sampled_from(["last", "mean"])),
+                        layers=draw(st.none() | st.just([1, 2])),
+                        enabled_at=draw(st.sampled_from([0, 0, 2])))}
+    if draw(st.booleans()):
+        streams[AH] = dict(reduce=draw(st.sampled_from(["last", "mean"])), layers=None,
+                           enabled_at=0)
+    return (rng, streams, draw(st.integers(1, 4)), draw(st.integers(1, 7)), draw(st.booleans()),
+            draw(st.booleans()))
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=reduce_scenarios())
+def test_reductions_random_schedules(scenario):
+    rng, streams, acc_slots, count, report_finish, with_bad = scenario
+    engine = Engine(acc_slots=acc_slots)
+    reqs = make_requests(rng, count, [], max_prompt=14, max_gen=5)
+    if with_bad:
+        # A per-request selection cannot combine with a reduction; n > 1 is unsupported.
+        reqs[0].capture = SelectSpec.all().to_wire()
+        reqs[-1].n = 2
+    refs = {c: RefStream(c, acc_slots, reduce=cfg["reduce"], layers=cfg["layers"], active=False)
+            for c, cfg in streams.items()}
+    engine.refs = list(refs.values())
+
+    def on_step(step):
+        for component, cfg in streams.items():
+            if cfg["enabled_at"] == step:
+                engine.session.enable_stream(component, reduce=cfg["reduce"],
+                                             layers=cfg["layers"])
+                refs[component].active = True
+
+    run_schedule(rng, engine, reqs, on_step)
+    if report_finish:
+        engine.observe([])  # the last finished requests reach the worker (finalized there)
+    for component, ref in refs.items():
+        if not ref.active:
+            continue
+        ok = ref.ok()
+        status = engine.session.stream_status(component)
+        bad = {rid: s for rid, s in ref.status.items() if s != "ok"}
+        assert status["failed_reqs"] == sum(s == "failed" for s in bad.values()), ref.status
+        assert status["cache_elided_reqs"] == sum(s == "elided" for s in bad.values())
+        rows = decode_rows(*engine.fetch(component, req_ids=ok)) if ok else {}
+        check_reduced(ref, rows, ok)
+        if bad:
+            with pytest.raises(RuntimeError) as info:
+                engine.session.fetch_stream(component)
+            message = str(info.value)
+            if "failed" in bad.values():
+                assert "failed request" in message
+                slot_failures = [rid for rid, s in bad.items() if s == "failed"
+                                 and ref.req[rid].capture is None and ref.req[rid].n == 1]
+                if slot_failures:
+                    assert "reduce slots" in message or "per-request" in message
+            else:
+                assert "skip_reading_prefix_cache" in message
+
+
+def test_reduce_last_and_mean_example():
+    """Two streams, a prompt chunked over three steps, decodes, and a second request joining."""
+    engine = Engine(acc_slots=2)
+    last, mean = RefStream(HS, 2, reduce="last"), RefStream(AH, 2, reduce="mean")
+    engine.refs = [last, mean]
+    engine.session.enable_stream(HS, reduce="last")
+    engine.session.enable_stream(AH, reduce="mean")
+    a = Req(num=0, prompt=[1, 2, 3, 4, 0, 1, 2], gen=[3, 4, 0])
+    b = Req(num=1, prompt=[4, 4], gen=[1])
+    engine.step([(a, 3)], pad=3)
+    engine.step([(a, 3), (b, 2)])
+    engine.step([(b, 1), (a, 1)], pad=1)
+    engine.step([(a, 1)])
+    engine.step([(a, 1)])
+    engine.step([(a, 1)])
+    assert a.done and b.done
+    for ref in (last, mean):
+        assert engine.session.stream_status(ref.component)["pending_reductions"] == 2
+        rows = decode_rows(*engine.fetch(ref.component))
+        check_reduced(ref, rows, [a.rid, b.rid])
+        assert engine.session.stream_status(ref.component)["pending_reductions"] == 0
+
+
+def test_more_concurrent_requests_than_slots_fail_at_fetch():
+    engine = Engine(acc_slots=2)
+    ref = RefStream(HS, 2, reduce="mean")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="mean")
+    reqs = [Req(num=i, prompt=[1, 2, 3], gen=[4]) for i in range(3)]
+    engine.step([(r, 3) for r in reqs])
+    engine.step([(r, 1) for r in reqs])
+    assert ref.status == {reqs[0].rid: "ok", reqs[1].rid: "ok", reqs[2].rid: "failed"}
+    with pytest.raises(RuntimeError, match=r"more concurrent requests than reduce slots \(2\)"):
+        engine.session.fetch_stream(HS)
+    check_reduced(ref, decode_rows(*engine.fetch(HS, req_ids=[reqs[0].rid, reqs[1].client])),
+                  [reqs[0].rid, reqs[1].rid])
