@@ -11,6 +11,7 @@ count, so no device value is read back) on a side stream, ordered by events, and
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -39,6 +40,15 @@ class Site:
     acc_count: torch.Tensor | None = None
     eager_executions: int = 0
     enabled: bool = False  # host mirror of counter[1]
+
+
+@dataclass
+class RingGroup:
+    """Sites of one component with one width and dtype, sharing one ring tensor."""
+
+    sites: list[Site]
+    ring: torch.Tensor  # [sites, slots, capacity, width]
+    labels: torch.Tensor  # int32 [sites, slots, capacity, 3]
 
 
 @dataclass
@@ -78,6 +88,7 @@ class CaptureGraphState:
     acc_slots: int = 64
     sites: dict[int, Site] = field(default_factory=dict)  # counter.data_ptr() -> Site
     streams: dict[str, StreamPlanBuffers] = field(default_factory=dict)
+    groups: dict[str, list[RingGroup]] = field(default_factory=dict)
     input_ids: torch.Tensor | None = None
     ready: bool = False
     step_active: bool = False
@@ -101,9 +112,14 @@ class CaptureGraphState:
                       key=lambda s: s.layer_id)
 
     def allocate(self) -> None:
-        """Allocate every ring, accumulator and plan buffer, then compile the kernels once."""
+        """Allocate every ring, accumulator and plan buffer (once, before graphs are captured).
+
+        Sites of one component with the same width and dtype share one ring tensor
+        ``[sites, slots, capacity, width]`` (each site's ring is a contiguous view of it), so a
+        step's rows of every layer leave the device in one copy.
+        """
         nbytes = 0
-        for component in {s.component for s in self.sites.values()}:
+        for component in sorted({s.component for s in self.sites.values()}):
             buf = torch.zeros(L.META_FIELDS + L.PLAN_FIELDS * self.capacity, dtype=torch.int32,
                               device=self.device)
             self.streams[component] = StreamPlanBuffers(
@@ -113,13 +129,25 @@ class CaptureGraphState:
                 host=np.zeros(buf.numel(), dtype=np.int32),
             )
             nbytes += buf.numel() * 4
+            shapes: dict[tuple[int, torch.dtype], list[Site]] = {}
+            for site in self.sites_of(component):
+                shapes.setdefault((site.width, site.dtype), []).append(site)
+            for (width, dtype), members in shapes.items():
+                group = RingGroup(members, *L.new_ring_buffers(
+                    self.ring_slots * len(members), self.capacity, width, dtype, self.device))
+                group.ring = group.ring.view(len(members), self.ring_slots, self.capacity, width)
+                group.labels = group.labels.view(len(members), self.ring_slots, self.capacity,
+                                                 L.LABEL_FIELDS)
+                for i, site in enumerate(members):
+                    site.ring, site.ring_labels = group.ring[i], group.labels[i]
+                self.groups.setdefault(component, []).append(group)
+                nbytes += group.ring.numel() * group.ring.element_size()
+                nbytes += group.labels.numel() * group.labels.element_size()
         for site in self.sites.values():
-            site.ring, site.ring_labels = L.new_ring_buffers(
-                self.ring_slots, self.capacity, site.width, site.dtype, self.device)
             site.acc, site.acc_labels, site.acc_count = L.new_acc_buffers(
                 self.acc_slots, site.width, self.device)
             nbytes += sum(t.numel() * t.element_size() for t in (
-                site.ring, site.ring_labels, site.acc, site.acc_labels, site.acc_count, site.counter))
+                site.acc, site.acc_labels, site.acc_count, site.counter))
         self.allocation_bytes = nbytes
         if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device=self.device)
@@ -129,8 +157,8 @@ class CaptureGraphState:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of the ring buffers alone (what rows occupy on the device)."""
-        return sum(s.ring.numel() * s.ring.element_size() for s in self.sites.values()
-                   if s.ring is not None)
+        return sum(g.ring.numel() * g.ring.element_size()
+                   for groups in self.groups.values() for g in groups)
 
     def set_input_ids(self, input_ids: torch.Tensor) -> None:
         """The runner's persistent token-id buffer; the kernels read row labels from it.
@@ -211,35 +239,48 @@ class CaptureGraphState:
                        site.ring_labels, site.acc, site.acc_labels, site.acc_count)
 
     def drain(self) -> list[DrainedRows]:
-        """Enqueue copies of this step's planned rows (mode rows) to host memory."""
+        """Enqueue copies of this step's planned rows (mode rows) to host memory.
+
+        One device-to-host copy per ring group carries the rows of every enabled layer; the labels
+        are the same for all sites of a stream, so one site's labels travel once.
+        """
         drained = []
         for component, buf in self.streams.items():
             if buf.mode != L.MODE_ROWS or buf.count == 0:
                 continue
-            sites = [s for s in self.sites_of(component) if s.enabled]
             n, slot = buf.count, buf.slot
-            layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            groups = [(g, [i for i, s in enumerate(g.sites) if s.enabled])
+                      for g in self.groups.get(component, ())]
+            groups = [(g, idx) for g, idx in groups if idx]
+            if not groups:
+                continue
+            cuda = self.device.type == "cuda"
             event = None
-            if self.device.type == "cuda":
-                main = torch.cuda.current_stream(self.device)
+            if cuda:
                 done = torch.cuda.Event()
-                done.record(main)
-                with torch.cuda.stream(self._copy_stream):
-                    self._copy_stream.wait_event(done)
-                    for s in sites:
-                        rows = torch.empty((n, s.width), dtype=s.dtype, pin_memory=True)
-                        labels = torch.empty((n, 3), dtype=torch.int32, pin_memory=True)
-                        rows.copy_(s.ring[slot, :n], non_blocking=True)
-                        labels.copy_(s.ring_labels[slot, :n], non_blocking=True)
-                        layers[s.layer_id] = (rows, labels)
+                done.record(torch.cuda.current_stream(self.device))
+                self._copy_stream.wait_event(done)
+            layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            names: dict[int, str] = {}
+            labels = None
+            with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
+                for group, idx in groups:
+                    sites = [group.sites[i] for i in idx]
+                    # [enabled sites, n, width]: only the planned rows of enabled layers.
+                    rows = group.ring[:, slot, :n].index_select(0, self._device_index(idx))
+                    if labels is None:
+                        labels = group.labels[idx[0], slot, :n]
+                        labels = _to_host(labels, cuda)
+                    rows = _to_host(rows, cuda)
+                    for k, site in enumerate(sites):
+                        layers[site.layer_id] = (rows[k], labels)
+                        names[site.layer_id] = site.layer_name
+                if cuda:
                     event = torch.cuda.Event()
                     event.record(self._copy_stream)
+            if cuda:
                 self._slot_free[(id(buf), slot)] = event
-            else:
-                for s in sites:
-                    layers[s.layer_id] = (s.ring[slot, :n].clone(), s.ring_labels[slot, :n].clone())
-            drained.append(DrainedRows(component, n, layers,
-                                       {s.layer_id: s.layer_name for s in sites}, event))
+            drained.append(DrainedRows(component, n, layers, names, event))
         return drained
 
     # ---- reductions ------------------------------------------------------------------------------
@@ -288,3 +329,17 @@ class CaptureGraphState:
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         return DrainedRows(component, len(slots), layers, names, event)
+
+
+def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
+    """A host copy of ``t``: pinned and non-blocking from the device (the caller records an event)."""
+    if not cuda:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+@contextlib.contextmanager
+def _no_stream():
+    yield
