@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -187,7 +187,7 @@ class Engine:
     def preempt(self, req: Req) -> None:
         req.computed, req.rejoin = 0, True
 
-    # -- one step -----------------------------------------------------------------------------------
+    # -- one step ----------------------------------------------------------------------------------
 
     def step(self, batch, pad: int = 0) -> list[Entry]:
         """Run one step; ``batch`` is [(Req | dummy-id str, rows)] in batch order."""
@@ -439,7 +439,7 @@ class RefStream:
 
 
 def check_rows(ref: RefStream, rows_by_layer, expected: set):
-    """Fetched rows of every layer == ``expected`` (rid, position) pairs, values and tokens right."""
+    """Fetched rows of every layer == ``expected`` (rid, position) pairs; values, tokens right."""
     comp = ref.component
     assert set(rows_by_layer) <= set(ref.layers), "a layer outside the stream's filter came back"
     if not expected:
@@ -535,13 +535,6 @@ def run_schedule(rng, engine, reqs, on_step=None, max_steps=400, max_batch=None)
             engine.step(batch, pad=rng.randint(0, 3))
         step += 1
     return step
-
-
-def quiet():
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.simplefilter("ignore")  # clamped prompt positions
-    return ctx
 
 
 # ---- 1. reduce="all": random schedules vs the reference ----------------------------------------
@@ -706,7 +699,7 @@ def test_capacity_example_with_stream_status():
     check_rows(ref, rows, {(reqs[0].rid, q) for q in range(4)} | {(reqs[1].rid, 0)})
 
 
-# ---- 3. budget_rows -------------------------------------------------------------------------------
+# ---- 3. budget_rows ------------------------------------------------------------------------------
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -801,8 +794,10 @@ def reduce_scenarios(draw):
     if draw(st.booleans()):
         streams[AH] = dict(reduce=draw(st.sampled_from(["last", "mean"])), layers=None,
                            enabled_at=0)
-    return (rng, streams, draw(st.integers(1, 4)), draw(st.integers(1, 7)), draw(st.booleans()),
-            draw(st.booleans()))
+    count = draw(st.integers(1, 7))
+    # Enough accumulator slots for every request (slot exhaustion: the tests below).
+    acc_slots = count + draw(st.integers(0, 2))
+    return rng, streams, acc_slots, count, draw(st.booleans()), draw(st.booleans())
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -870,7 +865,8 @@ def test_reduce_last_and_mean_example():
     engine.step([(a, 1)])
     assert a.done and b.done
     for ref in (last, mean):
-        assert engine.session.stream_status(ref.component)["pending_reductions"] == 2
+        # b's finish reached the worker at step 3 (finalized there); a's never did.
+        assert engine.session.stream_status(ref.component)["pending_reductions"] == 1
         rows = decode_rows(*engine.fetch(ref.component))
         check_reduced(ref, rows, [a.rid, b.rid])
         assert engine.session.stream_status(ref.component)["pending_reductions"] == 0
@@ -889,3 +885,351 @@ def test_more_concurrent_requests_than_slots_fail_at_fetch():
         engine.session.fetch_stream(HS)
     check_reduced(ref, decode_rows(*engine.fetch(HS, req_ids=[reqs[0].rid, reqs[1].client])),
                   [reqs[0].rid, reqs[1].rid])
+
+
+
+
+def test_a_request_that_failed_for_a_slot_does_not_take_one_later():
+    engine = Engine(acc_slots=1)
+    engine.session.enable_stream(HS, reduce="last")
+    a = Req(num=0, prompt=[1, 2], gen=[])  # holds the only slot, done after step 0
+    b = Req(num=1, prompt=[1, 2], gen=[3, 4, 0])  # finds no slot at step 0: failed
+    c = Req(num=2, prompt=[3], gen=[1])  # joins once a's finish freed the slot
+    engine.step([(a, 2), (b, 2)])
+    engine.step([(b, 1), (c, 1)])  # a's finish reaches the worker first
+    engine.step([(b, 1), (c, 1)])
+    engine.step([(b, 1)])
+    assert engine.session.stream_status(HS)["failed_reqs"] == 1  # b only
+    rows = decode_rows(*engine.fetch(HS, req_ids=[a.rid, c.rid]))
+    assert sorted(rid for rid, _, _, _ in rows[0]) == sorted([a.rid, c.rid])
+
+
+def test_a_request_that_failed_for_a_slot_is_not_also_elided():
+    engine = Engine(acc_slots=1)
+    engine.session.enable_stream(HS, reduce="mean")
+    a = Req(num=0, prompt=[1, 2], gen=[])
+    b = Req(num=1, prompt=[1, 2], gen=[3, 4])
+    engine.step([(a, 2), (b, 2)])
+    engine.step([(b, 1)])
+    status = engine.session.stream_status(HS)
+    assert (status["failed_reqs"], status["cache_elided_reqs"]) == (1, 0)
+
+
+def test_fetching_a_reduce_stream_while_requests_run_keeps_the_step_path_alive():
+    engine = Engine(acc_slots=4)
+    engine.session.enable_stream(HS, reduce="last")
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 0])
+    engine.step([(a, 3)])
+    engine.fetch(HS)  # a client drains while a request is still decoding
+    engine.step([(a, 1)])
+    engine.step([(a, 1)])
+
+
+def test_more_reduce_segments_than_ring_capacity():
+    engine = Engine(capacity=2, acc_slots=4)
+    ref = RefStream(HS, 4, reduce="mean")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="mean")
+    reqs = [Req(num=i, prompt=[1, 2], gen=[]) for i in range(3)]
+    engine.step([(r, 2) for r in reqs])
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), [r.rid for r in reqs])
+
+
+def test_a_request_without_prompt_token_ids_does_not_break_the_step():
+    engine = Engine()
+    engine.session.enable_stream(HS)
+    engine.session.add_request("emb-00000000", None)
+    ok = Req(num=1, prompt=[1, 2], gen=[])
+    engine.observe([(ok, 2)])
+    geometry = BatchGeometry(("emb-00000000", ok.rid), np.array([0, 2, 4], np.int32),
+                             np.zeros(2, np.int64), 4, np.full(4, -1, np.int32))
+    engine.session.begin_step(geometry)
+    engine.session.end_step()
+
+
+# ---- 5. streams enabled mid-run and prefix-cache hits -----------------------------------------
+
+
+def test_stream_enabled_while_requests_run():
+    engine = Engine()
+    a = Req(num=0, prompt=[1, 2, 3, 4, 0, 1], gen=[2, 3])  # mid-prefill at enable time
+    b = Req(num=1, prompt=[3, 3], gen=[4, 4, 1])  # decoding at enable time
+    engine.step([(a, 3), (b, 2)])
+    engine.step([(b, 1)])
+    full = RefStream(HS, 8)
+    last_prompt = RefStream(AH, 8, select=SelectSpec.last_prompt_token().to_wire())
+    engine.refs = [full, last_prompt]
+    engine.session.enable_stream(HS)
+    engine.session.enable_stream(AH, select=SelectSpec.last_prompt_token().to_wire())
+    c = Req(num=2, prompt=[0, 1, 2], gen=[3])  # joins after the enable: complete
+    engine.step([(a, 3), (b, 1), (c, 3)])
+    while not all(r.done for r in (a, b, c)):
+        engine.step([(r, 1) for r in (a, b, c) if not r.done])
+
+    assert full.status == {a.rid: "elided", b.rid: "elided", c.rid: "ok"}
+    with pytest.raises(RuntimeError, match="skip_reading_prefix_cache") as info:
+        engine.session.fetch_stream(HS)
+    assert a.rid in str(info.value) and b.rid in str(info.value)
+    assert engine.session.stream_status(HS)["cache_elided_reqs"] == 2
+    check_rows(full, decode_rows(*engine.fetch(HS, req_ids=[c.client])),
+               full.expected_rows([c.rid]))
+
+    # The last prompt token of a was still to come: not elided; b's was missed: elided.
+    assert last_prompt.status == {a.rid: "ok", b.rid: "elided", c.rid: "ok"}
+    with pytest.raises(RuntimeError, match="skip_reading_prefix_cache"):
+        engine.session.fetch_stream(AH, req_ids=[b.rid])
+    rows = decode_rows(*engine.fetch(AH, req_ids=[a.rid, c.rid]))
+    check_rows(last_prompt, rows, {(a.rid, 5), (c.rid, 2)})
+
+
+@pytest.mark.parametrize("select, elided", [
+    (None, True),
+    (SelectSpec.last_prompt_token(), False),
+    (SelectSpec(prompt_window=(3, None)), False),
+    (SelectSpec(prompt_window=(2, None)), True),
+    (SelectSpec(generation="all"), False),
+    (SelectSpec(prompt_tokens=[4]), False),  # token 4 first appears at position 4
+    (SelectSpec(prompt_tokens=[2]), True),
+    (SelectSpec(prompt="all", exclude_prompt_positions=[0, 1, 2]), False),
+])
+def test_prefix_cache_hit(select, elided):
+    """The request's first step starts at position 3 (three prompt tokens came from the cache)."""
+    engine = Engine()
+    wire = None if select is None else select.to_wire()
+    ref = RefStream(HS, 8, select=wire)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, select=wire)
+    a = Req(num=0, prompt=[0, 1, 2, 3, 4, 0], gen=[1, 2], cache_hit=3)
+    engine.step([(a, 2)])
+    engine.step([(a, 1)])
+    engine.step([(a, 1)])
+    engine.step([(a, 1)])
+    assert a.done and ref.status[a.rid] == ("elided" if elided else "ok")
+    if elided:
+        with pytest.raises(RuntimeError, match="skip_reading_prefix_cache"):
+            engine.session.fetch_stream(HS)
+    else:
+        rows = decode_rows(*engine.fetch(HS))
+        check_rows(ref, rows, ref.expected_rows([a.rid]))
+        assert min(q for _, q, _, _ in rows[0]) >= 3
+
+
+@pytest.mark.parametrize("reduce, elided", [("last", False), ("mean", True)])
+def test_prefix_cache_hit_with_reductions(reduce, elided):
+    engine = Engine()
+    ref = RefStream(HS, 8, reduce=reduce)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce=reduce)
+    a = Req(num=0, prompt=[0, 1, 2, 3], gen=[1], cache_hit=2)
+    engine.step([(a, 2)])
+    engine.step([(a, 1)])
+    if elided:
+        with pytest.raises(RuntimeError, match="skip_reading_prefix_cache"):
+            engine.session.fetch_stream(HS)
+    else:
+        check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid])
+
+
+def test_generation_token_selection_is_applied_at_the_drain():
+    """The host never knows decode tokens (all -1); the drain keeps rows by the device labels."""
+    spec = SelectSpec(generation_tokens=[2, 3], exclude_generation_tokens=[3],
+                      prompt_positions=[-1])
+    engine = Engine()
+    ref = RefStream(HS, 8, select=spec.to_wire())
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, select=spec.to_wire())
+    a = Req(num=0, prompt=[2, 2, 2], gen=[2, 3, 1, 2, 0, 2])
+    b = Req(num=1, prompt=[0], gen=[3, 3, 2])
+    engine.step([(a, 3), (b, 1)], pad=2)
+    for _ in range(6):
+        engine.step([(r, 1) for r in (b, a) if not r.done])
+    rows = decode_rows(*engine.fetch(HS))
+    check_rows(ref, rows, {(a.rid, 2), (a.rid, 3), (a.rid, 6), (a.rid, 8),
+                           (b.rid, 0), (b.rid, 3)})
+
+
+def test_per_request_selections_override_the_stream_selection():
+    engine = Engine()
+    stream_select = SelectSpec.last_prompt_token().to_wire()
+    refs = {HS: RefStream(HS, 8, select=stream_select), AH: RefStream(AH, 8, layers=[1])}
+    engine.refs = list(refs.values())
+    engine.session.enable_stream(HS, select=stream_select)
+    engine.session.enable_stream(AH, layers=[1])
+    reqs = [
+        Req(num=0, prompt=[1, 2, 3], gen=[1, 1]),  # stream selection
+        Req(num=1, prompt=[1, 2, 3], gen=[1, 1], capture={"generation": "all"}),  # both streams
+        Req(num=2, prompt=[4, 2, 3], gen=[1, 1],
+            capture={AH: {"prompt_tokens": [4]}}),  # attention_heads only
+        Req(num=3, prompt=[1, 2, 3, 4], gen=[0], capture={HS: SelectSpec(
+            prompt_window=(0, 2)).to_wire()}),
+    ]
+    engine.step([(r, 3) for r in reqs])
+    while not all(r.done for r in reqs):
+        engine.step([(r, min(2, r.known - r.computed)) for r in reqs if not r.done])
+    rids = [r.rid for r in reqs]
+    check_rows(refs[HS], decode_rows(*engine.fetch(HS)), {
+        (rids[0], 2), (rids[1], 3), (rids[1], 4), (rids[2], 2), (rids[3], 0), (rids[3], 1)})
+    ah = refs[AH].expected_rows(rids)
+    assert {(rids[1], 3), (rids[1], 4), (rids[2], 0)} <= ah and (rids[1], 0) not in ah
+    check_rows(refs[AH], decode_rows(*engine.fetch(AH)), ah)
+
+
+def test_unsupported_requests_fail_with_a_reason():
+    engine = Engine()
+    engine.session.enable_stream(HS)
+    engine.session.enable_stream(AH, reduce="last")
+    n2 = Req(num=0, prompt=[1, 2], gen=[], n=2)
+    per_request = Req(num=1, prompt=[1, 2], gen=[], capture={"prompt": "all"})
+    bad_wire = Req(num=2, prompt=[1, 2], gen=[], capture={"prompt": "most"})
+    good = Req(num=3, prompt=[1, 2], gen=[])
+    engine.step([(n2, 2), (per_request, 2), (bad_wire, 2), (good, 2)])
+    with pytest.raises(RuntimeError, match="n=1"):
+        engine.session.fetch_stream(HS, req_ids=[n2.rid])
+    with pytest.raises(RuntimeError, match="invalid extra_args"):
+        engine.session.fetch_stream(HS, req_ids=[bad_wire.rid])
+    with pytest.raises(RuntimeError, match="per-request selection cannot combine"):
+        engine.session.fetch_stream(AH, req_ids=[per_request.rid])
+    tensors, metas = engine.fetch(HS, req_ids=[per_request.rid, good.rid])
+    assert sorted(set(metas[0].req_ids)) == sorted([per_request.rid, good.rid])
+    assert engine.session.stream_status(HS)["failed_reqs"] == 2
+
+
+# ---- 6. request index recycling ------------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False))
+def test_finished_request_indices_are_recycled_without_mislabelling(rng):
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    store = engine.session._streams[HS].store
+    reqs = [Req(num=i, prompt=[rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))],
+                gen=[rng.randrange(VOCAB) for _ in range(rng.randint(0, 2))],
+                client=rng.choice([f"c{i}", "same"]))
+            for i in range(40)]
+    queue, running, collected = list(reqs), [], {}
+    finished_unfetched: list[Req] = []
+    while queue or running:
+        while queue and len(running) < 3:
+            running.append(queue.pop(0))
+        batch = []
+        for r in running:
+            start = r.computed if r.started else r.cache_hit
+            batch.append((r, rng.randint(1, min(r.known, r.total) - start)))
+        rng.shuffle(batch)
+        engine.step(batch, pad=rng.randint(0, 2))
+        for r in [r for r in running if r.done]:
+            running.remove(r)
+            finished_unfetched.append(r)
+        choice = rng.random()
+        if choice < 0.3:
+            merge(collected, decode_rows(*engine.fetch(HS, clear=True)))
+            finished_unfetched.clear()
+        elif choice < 0.6 and finished_unfetched:
+            pick = rng.sample(finished_unfetched, rng.randint(1, len(finished_unfetched)))
+            ids = [r.rid for r in pick]
+            rows = decode_rows(*engine.fetch(HS, clear=True, req_ids=ids))
+            earlier = {(rid, q) for rid, q, _, _ in collected.get(0, [])}
+            check_rows(ref, rows, ref.expected_rows(ids) - earlier)
+            merge(collected, rows)
+            for r in pick:
+                finished_unfetched.remove(r)
+    engine.observe([])
+    merge(collected, decode_rows(*engine.fetch(HS, clear=True)))
+    check_rows(ref, collected, ref.expected_rows([r.rid for r in reqs]))
+    # Indices were recycled (at most 3 running plus finished-but-unfetched ones at a time).
+    assert store._next_request_index < len(reqs)
+    assert store.status()["requests"] == 0
+
+
+def test_index_of_a_finished_request_waits_for_its_rows():
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    store = engine.session._streams[HS].store
+    a = Req(num=0, prompt=[1, 2], gen=[])
+    engine.step([(a, 2)])
+    b = Req(num=1, prompt=[3], gen=[])
+    engine.step([(b, 1)])  # a's finish arrives, its rows are still stored: no reuse
+    assert store._req_index[a.rid] != store._req_index[b.rid]
+    rows = decode_rows(*engine.fetch(HS, req_ids=[a.client]))  # frees a's index
+    check_rows(ref, rows, {(a.rid, 0), (a.rid, 1)})
+    c = Req(num=2, prompt=[4, 4], gen=[])
+    engine.step([(c, 2)])  # b's finish arrives; c reuses a's index
+    rows = decode_rows(*engine.fetch(HS))
+    check_rows(ref, rows, {(b.rid, 0), (c.rid, 0), (c.rid, 1)})
+
+
+# ---- 7. counters and the idle op -----------------------------------------------------------------
+
+
+def test_eager_counters_and_idle_handle():
+    engine = Engine()
+    session, state = engine.session, engine.state
+    rings = {id(s): (s.ring.clone(), s.ring_labels.clone(), s.acc.clone()) for s in
+             state.sites.values()}
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 4])
+
+    def untouched():
+        for s in state.sites.values():
+            ring, labels, acc = rings[id(s)]
+            assert torch.equal(s.ring, ring) and torch.equal(s.ring_labels, labels)
+            assert torch.equal(s.acc, acc)
+            assert int(s.counter[L.SITE_EXECUTIONS]) == 0 and s.eager_executions == 0
+
+    # No stream: the runner does not bracket the forward, and the op does nothing.
+    engine.step([(a, 2)])
+    untouched()
+    status = session.stream_status(HS)
+    assert status["enabled"] is False and status["hooked_layers"] == 3
+    assert status["eager_capture_forwards"] == 0 and status["graph_replays"] == 0
+
+    # attention_heads on: its sites run (a real step with eager launches counts once, whatever
+    # stream launched).
+    session.enable_stream(AH, layers=[1])
+    engine.step([(a, 1)])
+    assert engine.site(AH, 1).eager_executions == 1 and engine.site(AH, 0).eager_executions == 0
+    assert session.stream_status(AH)["eager_capture_forwards"] == 1
+
+    # hidden_states on (layers 0 and 2): one eager capture forward per real step.
+    session.enable_stream(HS, layers=[0, 2])
+    b = Req(num=1, prompt=[1, 2], gen=[])
+    engine.step([(a, 1), (b, 1)])
+    engine.step([(a, 1), (b, 1)])
+    status = session.stream_status(HS)
+    assert status["eager_capture_forwards"] == 3 and status["graph_replays"] == 0
+    assert int(engine.site(HS, 0).counter[L.SITE_EXECUTIONS]) == 2
+    assert engine.site(HS, 1).eager_executions == 0
+    assert int(engine.site(HS, 1).counter[L.SITE_EXECUTIONS]) == 0
+    assert status["graph_ready"] and status["layers_captured"] == 2
+
+    # Forwards outside a real step (dummy, profile runs) capture and count nothing.
+    before = [s.ring.clone() for s in state.sites.values()]
+    engine.forward([], 4)
+    assert all(torch.equal(s.ring, r) for s, r in zip(state.sites.values(), before))
+    assert session.stream_status(HS)["eager_capture_forwards"] == 3
+
+    # Disabled again: back to nothing.
+    session.disable_stream(HS)
+    session.disable_stream(AH)
+    assert not session.any_stream_enabled()
+    counts = [int(s.counter[L.SITE_EXECUTIONS]) for s in state.sites.values()]
+    engine.step([(Req(num=2, prompt=[1, 2], gen=[]), 2)])
+    assert [int(s.counter[L.SITE_EXECUTIONS]) for s in state.sites.values()] == counts
+    assert session.fetch_stream(HS) == {}
+
+
+def test_int64_input_ids_and_ring_slot_reuse():
+    """vLLM's persistent input_ids may be int64; more steps than ring slots reuse them."""
+    engine = Engine(ids_dtype=torch.int64, ring_slots=2)
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    a = Req(num=0, prompt=[4, 3, 2, 1], gen=[0, 1, 2, 3, 4])
+    engine.step([(a, 2)], pad=1)
+    while not a.done:
+        engine.step([(a, min(2, a.known - a.computed))], pad=1)
+    check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([a.rid]))

@@ -92,6 +92,7 @@ class CaptureGraphState:
     input_ids: torch.Tensor | None = None
     ready: bool = False
     step_active: bool = False
+    step_eager_launches: int = 0  # launches made by the op's Python body in the current step
     allocation_bytes: int = 0
     _slot_free: dict = field(default_factory=dict)
     _copy_stream: object | None = None
@@ -120,12 +121,14 @@ class CaptureGraphState:
         """
         nbytes = 0
         for component in sorted({s.component for s in self.sites.values()}):
-            buf = torch.zeros(L.META_FIELDS + L.PLAN_FIELDS * self.capacity, dtype=torch.int32,
+            # A plan holds up to `capacity` rows, or one segment per reduce slot.
+            columns = self.plan_columns
+            buf = torch.zeros(L.META_FIELDS + L.PLAN_FIELDS * columns, dtype=torch.int32,
                               device=self.device)
             self.streams[component] = StreamPlanBuffers(
                 buffer=buf,
                 meta=buf[: L.META_FIELDS],
-                plan=buf[L.META_FIELDS:].view(L.PLAN_FIELDS, self.capacity),
+                plan=buf[L.META_FIELDS:].view(L.PLAN_FIELDS, columns),
                 host=np.zeros(buf.numel(), dtype=np.int32),
             )
             nbytes += buf.numel() * 4
@@ -153,6 +156,10 @@ class CaptureGraphState:
             self._copy_stream = torch.cuda.Stream(device=self.device)
             self._slot_free = {}
         self.ready = True
+
+    @property
+    def plan_columns(self) -> int:
+        return max(self.capacity, self.acc_slots)
 
     @property
     def buffer_bytes(self) -> int:
@@ -198,7 +205,7 @@ class CaptureGraphState:
         host[L.META_MODE] = mode
         host[L.META_COUNT] = count
         host[L.META_SLOT] = buf.slot
-        plan = host[L.META_FIELDS:].reshape(L.PLAN_FIELDS, self.capacity)
+        plan = host[L.META_FIELDS:].reshape(L.PLAN_FIELDS, self.plan_columns)
         for i, col in enumerate(columns):
             plan[i, :count] = col
         buf.mode, buf.count = mode, count
@@ -235,6 +242,7 @@ class CaptureGraphState:
                 # Eager step with nothing to capture: skip the launch (counter not bumped).
                 return
             site.eager_executions += 1
+            self.step_eager_launches += 1
         launch_capture(x, residual, self.input_ids, buf.meta, buf.plan, counter, site.ring,
                        site.ring_labels, site.acc, site.acc_labels, site.acc_count)
 

@@ -57,6 +57,8 @@ class Stream:
     free_slots: list[int] = field(default_factory=list)
     slots: dict[str, int] = field(default_factory=dict)  # req_id -> accumulator slot
     last_position: dict[str, int] = field(default_factory=dict)  # req_id -> last row's position
+    # Requests this stream will not track again: failed, or reduced and finalized by a fetch.
+    closed: set[str] = field(default_factory=set)
 
     @property
     def reduce_mode(self) -> int:
@@ -97,6 +99,7 @@ class CaptureSession:
         self._requests: dict[str, RequestInfo] = {}
         self._unsupported_requests: dict[str, str] = {}
         self._step_executions_baseline: int | None = None
+        self._eager_forwards = 0
         self._queue: queue.Queue = queue.Queue()
         self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
                                            daemon=True)
@@ -221,8 +224,8 @@ class CaptureSession:
         return min(gs.sites.values(), key=lambda s: (COMPONENTS.index(s.component), s.layer_id))
 
     def eager_capture_forwards(self) -> int:
-        site = self._reference_site()
-        return 0 if site is None else site.eager_executions
+        """Real steps in which at least one capture launch ran from the op's Python body."""
+        return self._eager_forwards
 
     def graph_replays(self) -> int:
         """Forwards of real steps in which the capture kernel ran inside a replayed CUDA graph.
@@ -244,6 +247,9 @@ class CaptureSession:
             return  # resumed after preemption: keep the original prompt length
         info = RequestInfo(tuple(int(t) for t in (prompt_token_ids or ())),
                            num_cached=int(num_computed_tokens))
+        if not info.prompt_token_ids:
+            self._unsupported_requests[req_id] = (
+                "capture needs the prompt's token ids (prompt embeddings are not supported)")
         extra = getattr(sampling_params, "extra_args", None) or {}
         raw = extra.get(EXTRA_ARGS_KEY)
         if raw is not None:
@@ -260,8 +266,9 @@ class CaptureSession:
             for st in self._active_streams():
                 if req_id in st.slots:
                     self._finalize(st, [req_id])
-                if req_id in st.tracks:
-                    del st.tracks[req_id]
+                if req_id in st.tracks or req_id in st.closed:
+                    st.tracks.pop(req_id, None)
+                    st.closed.discard(req_id)
                     self._queue.put(_Finish(st.store, req_id))
             self._requests.pop(req_id, None)
             self._unsupported_requests.pop(req_id, None)
@@ -303,11 +310,14 @@ class CaptureSession:
                     st.last_position[owners[s]] = pos
                 gs.upload_segments(st.component, st.reduce_mode, seg.row_start, seg.row_count,
                                    seg.slot, req_index)
+        gs.step_eager_launches = 0
         gs.step_active = True
 
     def end_step(self) -> None:
         gs = self.graph_state
         gs.step_active = False
+        if gs.step_eager_launches:
+            self._eager_forwards += 1
         if not any(self._streams.values()):
             return
         for drained in gs.drain():
@@ -319,7 +329,7 @@ class CaptureSession:
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
         for i, req_id in enumerate(geometry.req_ids):
-            if req_id in st.tracks:
+            if req_id in st.tracks or req_id in st.closed:
                 continue
             info = self._requests.get(req_id)
             if info is None:
@@ -337,23 +347,25 @@ class CaptureSession:
                     select = SelectSpec.from_wire(st.config.select)
             if reason is not None:
                 st.store.fail_request(req_id, reason)
+                st.closed.add(req_id)
                 continue
             track = RequestTrack(req_index=st.store.request_index(req_id),
                                  prompt_len=info.prompt_len,
                                  prompt_token_ids=info.prompt_token_ids,
                                  select=select, next_position=0)
-            first_position = int(geometry.num_computed[i])
-            if first_position > 0 and self._selects_missing(st, track, first_position):
-                st.store.mark_elided(req_id)
             if st.config.reduce != "all":
                 if not st.free_slots:
                     st.store.fail_request(
                         req_id, f"more concurrent requests than reduce slots "
                                 f"({self.graph_state.acc_slots}); raise capture reduce_slots")
+                    st.closed.add(req_id)
                     continue
                 slot = st.free_slots.pop()
                 st.slots[req_id] = slot
                 self.graph_state.reset_acc_slots(st.component, [slot])
+            first_position = int(geometry.num_computed[i])
+            if first_position > 0 and self._selects_missing(st, track, first_position):
+                st.store.mark_elided(req_id)
             st.tracks[req_id] = track
 
     def _selects_missing(self, st: Stream, track: RequestTrack, first_position: int) -> bool:
@@ -380,6 +392,10 @@ class CaptureSession:
             del st.slots[r]
             st.last_position.pop(r, None)
             st.free_slots.append(slot)
+            # A request finalized while still running (by a fetch) is not reduced again: its
+            # later rows would otherwise start a second, partial reduction.
+            st.tracks.pop(r, None)
+            st.closed.add(r)
 
     # ---- harvest thread -------------------------------------------------------------------------
 
