@@ -49,15 +49,17 @@ def _train_tokenizer(out: Path) -> int:
     return tok.get_vocab_size()
 
 
-def _build(out: Path, config, seed: int) -> Path:
+def _build(out: Path, config, seed: int, random_biases: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
     # The marker records what was asked for (not config.to_dict(), which save_pretrained rewrites),
     # so a finished build is reused instead of rewritten on every call.
     marker = out / ".vllm-capture-tiny"
-    wanted = json.dumps({"class": type(config).__name__, "seed": seed,
-                         "config": config.to_diff_dict()}, sort_keys=True, default=str)
+    asked = {"class": type(config).__name__, "seed": seed, "config": config.to_diff_dict()}
+    if random_biases:
+        asked["random_biases"] = True  # absent otherwise, so earlier builds' markers still match
+    wanted = json.dumps(asked, sort_keys=True, default=str)
     if marker.exists() and marker.read_text() == wanted and (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -69,6 +71,9 @@ def _build(out: Path, config, seed: int) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif random_biases and name.endswith(".bias"):
+                # HF initialises biases to zero, which would leave a bias path untested.
                 p.normal_(0.0, 0.08)
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(wanted)
@@ -132,11 +137,48 @@ def build_tiny_qwen3_moe(out: str | os.PathLike) -> Path:
     return _build(Path(out), Qwen3MoeConfig(**cfg), seed=3)
 
 
+def build_tiny_qwen2(out: str | os.PathLike) -> Path:
+    """A 4-layer Qwen2 (dense; q/k/v projections with biases, drawn non-zero here)."""
+    from transformers import Qwen2Config
+
+    return _build(Path(out), Qwen2Config(**_common()), seed=4, random_biases=True)
+
+
+def build_tiny_qwen2_moe(out: str | os.PathLike) -> Path:
+    """A 4-layer Qwen2-MoE: router gate plus a shared expert with its own sigmoid gate
+    (``mlp.shared_expert_gate``, one logit per token; it is not the router)."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = _common()
+    cfg.update(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=False,
+    )
+    return _build(Path(out), Qwen2MoeConfig(**cfg), seed=5, random_biases=True)
+
+
+def build_tiny_olmoe(out: str | os.PathLike) -> Path:
+    """A 4-layer OLMoE (q/k RMSNorm over all heads at once; top-k weights not renormalised)."""
+    from transformers import OlmoeConfig
+
+    cfg = _common()
+    cfg.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    return _build(Path(out), OlmoeConfig(**cfg), seed=6)
+
+
 BUILDERS = {
     "llama": build_tiny_llama,
     "qwen3": build_tiny_qwen3,
     "mixtral": build_tiny_mixtral,
     "qwen3_moe": build_tiny_qwen3_moe,
+    "qwen2": build_tiny_qwen2,
+    "qwen2_moe": build_tiny_qwen2_moe,
+    "olmoe": build_tiny_olmoe,
 }
 
 
