@@ -1,6 +1,8 @@
 """StreamConfig validation and StreamStore budgets, drains, labels and locking."""
 
+import itertools
 import logging
+import random
 import threading
 from collections import Counter
 
@@ -198,10 +200,13 @@ def test_drain_one_request_leaves_the_others_untouched():
     a, b = store.request_index("a-0123abcd"), store.request_index("b-0123abcd")
     store.append(0, *_interleaved([(a, 0), (b, 0), (a, 1), (b, 1)]), "l0")
     store.append(1, *_interleaved([(b, 0), (a, 0)], layer=1), "l1")
+    # Requests share an append's chunk; a drain that leaves a chunk at least
+    # half live neither copies nor moves the other request's rows.
     b_storage = {
         chunk.tensor.data_ptr() for layer in store.chunks.values() for chunk in layer.values()
-        if chunk.request_index == b
+        if b in chunk.live_requests()
     }
+    assert len(b_storage) == 2
     labels, tensors = _fetch(store, req_ids=["a"], clear_selected=True)
     assert labels == {0: [("a-0123abcd", 0), ("a-0123abcd", 1)], 1: [("a-0123abcd", 0)]}
     assert torch.equal(tensors[0], _rows(a, [0, 1])[0])
@@ -285,6 +290,350 @@ def test_store_copies_so_callers_may_reuse_their_buffers():
     meta.fill_(7)
     _, tensors = _fetch(store)
     assert torch.equal(tensors[0], _rows(a, range(3))[0])
+
+
+ROW_BYTES = WIDTH * 4 + 3 * 4  # float32 values plus int32 labels
+
+
+def _assert_consistent(store):
+    """Internal bookkeeping agrees with the chunks (inspects private state)."""
+    live_by_request: Counter = Counter()
+    spans = set()
+    for layer_id, layer in store.chunks.items():
+        layer_rows = 0
+        for chunk_id, chunk in layer.items():
+            live = int(chunk.lens[chunk.live].sum())
+            assert chunk.live_rows == live > 0 and 2 * live >= chunk.rows
+            assert chunk.rows == chunk.tensor.shape[0] == chunk.meta.shape[0]
+            layer_rows += live
+            for slot in range(chunk.reqs.size):
+                if chunk.live[slot]:
+                    req, start, length = (int(chunk.reqs[slot]), int(chunk.starts[slot]),
+                                          int(chunk.lens[slot]))
+                    live_by_request[req] += length
+                    spans.add((req, layer_id, chunk_id, (slot, start, length)))
+                    assert (chunk.meta[start:start + length, 0] == req).all()
+        assert store._layer_rows[layer_id] == layer_rows
+    assert store.status()["bytes_stored"] == sum(
+        chunk.nbytes for layer in store.chunks.values() for chunk in layer.values()
+    )
+    for index in store.req_table:
+        assert store._live[index] == live_by_request[index]
+    store._index_chunks()
+    indexed = {
+        (req, layer_id, chunk_id, entry)
+        for req, by_layer in store._request_chunks.items()
+        for layer_id, held in by_layer.items()
+        for chunk_id, entry in held.items()
+    }
+    assert indexed == spans
+
+
+def test_compaction_releases_drained_rows_of_chunks_a_long_request_shares():
+    store = StreamStore(StreamConfig(budget_rows=1000))
+    long = store.request_index("long-0123abcd")
+    short = [store.request_index(f"s{i}-0123abcd") for i in range(7)]
+    steps, layers = 6, 2
+    for step in range(steps):
+        pairs = [(index, step) for index in short] + [(long, step)]
+        for layer in range(layers):
+            store.append(layer, *_interleaved(pairs, layer=layer), f"l{layer}")
+    assert sum(len(layer) for layer in store.chunks.values()) == steps * layers
+    assert store.status()["bytes_stored"] == steps * layers * 8 * ROW_BYTES
+    for i in range(7):
+        labels, _ = _fetch(store, req_ids=[f"s{i}"], clear_selected=True)
+        assert labels[1] == [(f"s{i}-0123abcd", step) for step in range(steps)]
+        _assert_consistent(store)
+        live_rows = store.tokens_stored * layers
+        assert store.status()["bytes_stored"] <= 2 * live_rows * ROW_BYTES
+    # Every chunk survives, compacted down to the long request's row.
+    chunks = [chunk for layer in store.chunks.values() for chunk in layer.values()]
+    assert len(chunks) == steps * layers and all(chunk.rows == 1 for chunk in chunks)
+    assert store.status()["bytes_stored"] == steps * layers * ROW_BYTES
+    labels, tensors = _fetch(store, req_ids=["long"], clear_selected=True)
+    assert labels[0] == [("long-0123abcd", step) for step in range(steps)]
+    assert torch.equal(tensors[1], _rows(long, range(steps), layer=1)[0])
+    assert store.chunks == {} and store.status()["bytes_stored"] == 0
+
+
+def test_drain_requests_one_by_one_from_shared_chunks():
+    store = StreamStore(StreamConfig(budget_rows=1000))
+    ids = ["a-0123abcd", "b-0123abcd", "c-0123abcd"]
+    a, b, c = (store.request_index(req_id) for req_id in ids)
+    # Batch order differs from registration order; a prefill chunk holds runs.
+    prefill = [(c, p) for p in range(3)] + [(a, p) for p in range(4)] + [(b, p) for p in range(2)]
+    decode = [[(b, 2 + s), (c, 3 + s), (a, 4 + s)] for s in range(3)]
+    for layer in (0, 1):
+        store.append(layer, *_interleaved(prefill, layer=layer), f"l{layer}")
+        for pairs in decode:
+            store.append(layer, *_interleaved(pairs, layer=layer), f"l{layer}")
+    assert [len(layer) for layer in store.chunks.values()] == [4, 4]
+
+    labels, tensors = _fetch(store, req_ids=["b"], clear_selected=True)
+    assert labels == {layer: [(ids[1], p) for p in range(5)] for layer in (0, 1)}
+    assert torch.equal(tensors[1], _rows(b, range(5), layer=1)[0])
+    _assert_consistent(store)
+    assert store.tokens_stored == 13
+
+    labels, tensors = _fetch(store)
+    assert labels[0] == [(ids[0], p) for p in range(7)] + [(ids[2], p) for p in range(6)]
+    assert torch.equal(tensors[0], torch.cat([_rows(a, range(7))[0], _rows(c, range(6))[0]]))
+
+    labels, tensors = _fetch(store, req_ids=["c"], layers=[1], clear_selected=True)
+    assert labels == {1: [(ids[2], p) for p in range(6)]}
+    assert torch.equal(tensors[1], _rows(c, range(6), layer=1)[0])
+    _assert_consistent(store)
+    labels, _ = _fetch(store, req_ids=["a", "c"], clear_selected=True)
+    assert labels == {
+        0: [(ids[0], p) for p in range(7)] + [(ids[2], p) for p in range(6)],
+        1: [(ids[0], p) for p in range(7)],
+    }
+    assert store.chunks == {} and store.status()["bytes_stored"] == 0
+    assert store.tokens_stored == 0 and store.status()["requests"] == 3
+
+
+@pytest.mark.parametrize("drain", ["by_request", "whole_layers"])
+def test_index_recycles_only_once_drains_over_many_chunks_empty_it(drain):
+    store = StreamStore(StreamConfig(budget_rows=10_000))
+    a, b = store.request_index("a"), store.request_index("b")
+    steps, layers = 20, 3
+    for step in range(steps):
+        for layer in range(layers):
+            store.append(layer, *_interleaved([(b, step), (a, step)], layer=layer), f"l{layer}")
+    store.finish_request("a")
+    if drain == "by_request":
+        select = {"req_ids": ["a"]}
+    else:  # whole layers: a and b leave together
+        select = {}
+        store.finish_request("b")
+    for layer in (2, 0):
+        labels, _ = _fetch(store, layers=[layer], clear_selected=True, **select)
+        assert labels[layer][:steps] == [("a", step) for step in range(steps)]
+        assert store.request_index(f"x{layer}") not in (a, b)  # a still has rows in layer 1
+        _assert_consistent(store)
+    store.serialize(layers=[1], clear_selected=True, **select)
+    reused = store.request_index("c")
+    assert reused == a
+    _assert_consistent(store)
+    store.append(0, *_rows(reused, [0]), "l0")
+    assert _fetch(store, req_ids=["c"])[0] == {0: [("c", 0)]}
+    if drain == "by_request":
+        labels, tensors = _fetch(store, req_ids=["b"])
+        assert labels == {layer: [("b", step) for step in range(steps)] for layer in range(layers)}
+        assert torch.equal(tensors[2], _rows(b, range(steps), layer=2)[0])
+    else:
+        assert store.request_index("d") == b
+
+
+def test_fetch_many_requests_from_many_shared_chunks_in_registration_order():
+    store = StreamStore(StreamConfig(budget_rows=1000))
+    names = [f"r{i}-0123abcd" for i in range(12)]
+    indices = [store.request_index(name) for name in names]
+    rng = random.Random(7)
+    for step in range(4):
+        order = rng.sample(range(12), 12)
+        store.append(0, *_interleaved([(indices[i], step) for i in order]), "l0")
+    picked = [names[i] for i in (11, 0, 3, 4, 5, 6, 7, 8, 9, 10)]
+    labels, tensors = _fetch(store, req_ids=[name[:-9] for name in picked])
+    want = [(name, step) for name in sorted(picked, key=names.index) for step in range(4)]
+    assert labels[0] == want
+    assert tensors[0][:, 0].tolist() == [float(step) for _, step in want]
+    labels, _ = _fetch(store, req_ids=[name[:-9] for name in picked], clear_selected=True)
+    assert labels[0] == want
+    _assert_consistent(store)
+    labels, tensors = _fetch(store)
+    assert labels[0] == [(names[i], step) for i in (1, 2) for step in range(4)]
+
+
+def test_large_blocks_copy_through_torch_with_the_same_results():
+    """Blocks of 2 MiB and more take torch's copies instead of numpy's."""
+    store = StreamStore(StreamConfig(budget_rows=10_000))
+    a, b = store.request_index("a"), store.request_index("b")
+    width, rows = 4096, 160  # 160 float32 rows of 16 KiB: 2.5 MiB
+    values = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width)
+    in_order = torch.tensor([[a, p, 0] for p in range(rows)], dtype=torch.int32)
+    store.append(0, values, in_order, "l0")  # one run of rows: a block copy
+    shuffled = torch.tensor(
+        [[b if p % 2 else a, p, 0] for p in range(rows)], dtype=torch.int32
+    )
+    store.append(1, values, shuffled, "l1")  # grouped by request: a row gather
+    labels, tensors = _fetch(store)
+    assert labels[0] == [("a", p) for p in range(rows)]
+    assert torch.equal(tensors[0], values)
+    evens = [("a", p) for p in range(0, rows, 2)]
+    odds = [("b", p) for p in range(1, rows, 2)]
+    assert labels[1] == evens + odds
+    assert torch.equal(tensors[1], torch.cat([values[0::2], values[1::2]]))
+    store.append(1, values, shuffled, "l1")  # a second chunk: fetches concatenate
+    labels, tensors = _fetch(store, layers=[1], clear_selected=True)
+    assert labels[1] == evens * 2 + odds * 2
+    assert torch.equal(tensors[1], torch.cat([values[0::2]] * 2 + [values[1::2]] * 2))
+    _assert_consistent(store)
+
+
+def test_failed_request_rows_leave_shared_chunks():
+    store = StreamStore(StreamConfig(budget_rows=100))
+    a, b, c = (store.request_index(r) for r in ("a", "b", "c"))
+    for step in range(3):
+        store.append(0, *_interleaved([(c, step), (a, step), (b, step)]), "l0")
+    store.fail_request("a", "boom")
+    store.mark_elided("b")
+    _assert_consistent(store)
+    assert store.status()["bytes_stored"] == 3 * ROW_BYTES  # compacted to c's rows
+    store.append(0, *_interleaved([(a, 3), (c, 3), (b, 3)]), "l0")
+    labels, tensors = _fetch(store, req_ids=["c"])
+    assert labels == {0: [("c", step) for step in range(4)]}
+    assert torch.equal(tensors[0], _rows(c, range(4))[0])
+
+
+def test_append_refuses_rows_of_another_width_than_the_layer_holds():
+    store = StreamStore(StreamConfig(budget_rows=100))
+    a = store.request_index("a")
+    store.append(0, *_rows(a, [0]), "l0")
+    with pytest.raises(RuntimeError, match="wide"):
+        store.append(0, torch.zeros(1, WIDTH + 1), _rows(a, [1])[1], "l0")
+    store.append(1, torch.zeros(1, WIDTH + 1), _rows(a, [1])[1], "l1")
+    assert store.tokens_stored == 1
+
+
+def test_mixed_input_dtypes_without_a_storage_dtype_promote_on_fetch():
+    store = StreamStore(StreamConfig(budget_rows=100))
+    a, b = store.request_index("a"), store.request_index("b")
+    store.append(0, *_rows(a, [0, 1], dtype=torch.bfloat16), "l0")
+    store.append(0, *_rows(b, [0], dtype=torch.float16), "l0")
+    labels, tensors = _fetch(store)
+    assert labels[0] == [("a", 0), ("a", 1), ("b", 0)]
+    assert tensors[0].dtype == torch.float32
+    expected = torch.cat([_rows(a, [0, 1], dtype=torch.bfloat16)[0].float(),
+                          _rows(b, [0], dtype=torch.float16)[0].float()])
+    assert torch.equal(tensors[0], expected)
+    _fetch(store, req_ids=["a"], clear_selected=True)
+    assert _fetch(store)[1][0].dtype == torch.float16
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_store_matches_a_reference_model_under_random_operations(seed):
+    """Random appends, drains, finishes, failures and layer drops against a plain model."""
+    rng = random.Random(seed)
+    budget = rng.choice([None, 60, 400])
+    store = StreamStore(StreamConfig(budget_rows=budget))
+    layers = [0, 1, 2]
+    model: dict[int, list[tuple[str, int, float]]] = {layer: [] for layer in layers}
+    rank: dict[str, int] = {}
+    index_of: dict[str, int] = {}
+    active: list[str] = []
+    finished: set[str] = set()
+    failed: set[str] = set()
+    next_pos: Counter = Counter()
+    dropped = Counter()
+    values = itertools.count()
+    names = itertools.count()
+
+    def expected(req_ids=None, wanted=layers):
+        out = {}
+        for layer in wanted:
+            rows = [r for r in model[layer] if req_ids is None or r[0] in req_ids]
+            if rows:
+                out[layer] = sorted(rows, key=lambda r: rank[r[0]])
+        return out
+
+    def check(payload, want):
+        tensors, metas = deserialize_captured(payload)
+        assert sorted(tensors) == sorted(want)
+        for layer, rows in want.items():
+            assert list(zip(metas[layer].req_ids, metas[layer].positions.tolist())) == [
+                (r[0], r[1]) for r in rows
+            ]
+            assert tensors[layer][:, 0].tolist() == [r[2] for r in rows]
+            assert tensors[layer][:, 1].tolist() == [r[2] + 0.5 for r in rows]
+
+    def remove(req_ids, wanted=layers):
+        for layer in wanted:
+            model[layer] = [r for r in model[layer] if r[0] not in req_ids]
+
+    for _ in range(160):
+        op = rng.random()
+        servable = [r for r in rank if r not in failed]
+        if op < 0.12 or not active:
+            req_id = f"q{next(names)}-0123abcd"
+            index_of[req_id] = store.request_index(req_id)
+            rank[req_id] = len(index_of)
+            active.append(req_id)
+        elif op < 0.55:
+            batch = []
+            for req_id in rng.sample(active, min(len(active), rng.randint(1, 12))):
+                for _ in range(rng.choice([1, 1, 1, 3])):
+                    batch.append((req_id, next_pos[req_id]))
+                    next_pos[req_id] += 1
+            for layer in rng.sample(layers, rng.randint(1, 3)):
+                vals = [float(next(values)) for _ in batch]
+                tensor = torch.tensor([[v, v + 0.5] + [0.0] * (WIDTH - 2) for v in vals])
+                meta = torch.tensor(
+                    [[index_of[r], p, 0] for r, p in batch], dtype=torch.int32
+                ).reshape(-1, 3)
+                store.append(layer, tensor, meta, f"l{layer}")
+                keep = [(r, p, v) for (r, p), v in zip(batch, vals) if r not in failed]
+                room = len(keep) if budget is None else max(0, budget - len(model[layer]))
+                dropped[layer] += max(0, len(keep) - room)
+                model[layer].extend(keep[:room])
+        elif op < 0.72 and servable:
+            picked = rng.sample(servable, min(len(servable), rng.choice([1, 1, 2, 5])))
+            wanted = rng.choice([layers, [rng.choice(layers)]])
+            clear = rng.random() < 0.8
+            check(
+                store.serialize(
+                    layers=wanted, req_ids=[r[:-9] for r in picked], clear_selected=clear
+                ),
+                expected(set(picked), wanted),
+            )
+            if clear:
+                remove(set(picked), wanted)
+        elif op < 0.78:
+            clear = rng.random() < 0.5
+            if failed:
+                with pytest.raises(RuntimeError):
+                    store.serialize(clear_selected=clear)
+            else:
+                check(store.serialize(clear_selected=clear), expected())
+                if clear:
+                    remove(set(rank))
+        elif op < 0.88:
+            req_id = active.pop(rng.randrange(len(active)))
+            store.finish_request(req_id)
+            finished.add(req_id)
+        elif op < 0.93 and servable:
+            req_id = rng.choice(servable)
+            if rng.random() < 0.5:
+                store.fail_request(req_id, "lost")
+            else:
+                store.mark_elided(req_id)
+            failed.add(req_id)
+            remove({req_id})
+        elif op < 0.97:
+            gone = rng.sample(layers, rng.randint(1, 2))
+            store.drop_layers(gone)
+            for layer in gone:
+                model[layer] = []
+        else:
+            store.clear()
+            failed.clear()
+            dropped.clear()
+            remove(set(rank))
+            for req_id in finished:
+                rank.pop(req_id, None)
+            finished.clear()
+
+        _assert_consistent(store)
+        held = {r[0] for rows in model.values() for r in rows}
+        live_rows = sum(len(rows) for rows in model.values())
+        status = store.status()
+        assert status["tokens_stored"] == max(len(rows) for rows in model.values())
+        assert status["tokens_dropped"] == max(dropped.values(), default=0)
+        assert status["bytes_stored"] <= 2 * live_rows * ROW_BYTES
+        assert status["requests"] == len([r for r in rank if r not in finished or r in held])
+    if not failed:
+        check(store.serialize(clear_selected=True), expected())
+        assert store.status()["bytes_stored"] == 0
 
 
 # ------------------------------------------------------------ failed and elided

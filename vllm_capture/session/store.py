@@ -7,15 +7,17 @@ token_id)`` where ``req_idx`` indexes ``req_table`` — so clients never
 re-derive sample alignment, and malformed labels are refused before any row
 enters.
 
-Rows are kept in per-request chunks: draining one request releases exactly
-its memory and never copies or pins another request's rows.
+Each ``append`` (one layer, one engine step, many requests) becomes one
+chunk, copied once and grouped by request; draining a request marks its rows
+dead, and chunks are freed when empty and compacted when mostly dead (see
+``StreamStore``).
 """
 
 import collections
+import functools
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,29 +31,101 @@ from vllm_capture.session.wire import (
 
 logger = logging.getLogger("vllm_capture")
 
+_ZERO = np.zeros(1, dtype=np.int64)
+# Blocks at least this large are copied by torch (parallel where it has
+# intra-op threads); smaller ones by numpy (see _raw).
+_LARGE_COPY = 2 << 20
+
 # Containers accepted for ``layers`` / ``req_ids``; a bare str would iterate
 # as characters and silently select nothing.
 _ID_LISTS = (list, tuple, set, frozenset)
 
 
-@dataclass(frozen=True)
-class _StoredChunk:
-    tensor: torch.Tensor
-    meta: torch.Tensor
-    request_index: int
+class _Spans(NamedTuple):
+    """Request spans of one layer, one entry per (chunk, request), as int64 arrays."""
+
+    chunk: np.ndarray  # chunk id
+    req: np.ndarray  # request index
+    slot: np.ndarray  # the request's slot in the chunk
+    start: np.ndarray  # first row of the span in the chunk
+    length: np.ndarray  # rows in the span
+
+
+class _Chunk:
+    """The kept rows of one ``append``: one layer, one engine step, many requests.
+
+    Rows are grouped by request (requests in registration order, each
+    request's rows in batch order): the request in slot ``s`` is
+    ``reqs[s]`` and owns rows ``starts[s] : starts[s] + lens[s]``, its span.
+    A request's span leaves as a whole (a drain takes all of its rows in the
+    layer, a discard too), so liveness is kept per slot.
+    """
+
+    __slots__ = ("tensor", "raw", "meta", "rows", "reqs", "starts", "lens", "live", "live_rows")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        meta: np.ndarray,
+        reqs: np.ndarray,
+        starts: np.ndarray,
+        lens: np.ndarray,
+    ):
+        self.set_rows(tensor, meta)
+        self.reqs = reqs
+        self.starts = starts
+        self.lens = lens
+        self.live = np.ones(reqs.size, dtype=bool)
+        self.live_rows = self.rows
+
+    def set_rows(self, tensor: torch.Tensor, meta: np.ndarray) -> None:
+        self.tensor = tensor
+        self.raw = _raw(tensor)  # numpy view of tensor's memory, for row copies
+        self.meta = meta  # int32 [rows, 3] labels
+        self.rows = meta.shape[0]  # allocated, live or dead
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.tensor) + self.meta.nbytes
+
+    def live_requests(self) -> list[int]:
+        """Request indices with live rows here, in storage order."""
+        return self.reqs[self.live].tolist()
 
 
 class StreamStore:
     """Bounded, chunk-appending CPU store for one capture stream.
 
+    Storage: each ``append`` (one layer, one engine step, many requests)
+    becomes one chunk. Its kept rows are copied once, grouped by request
+    with one stable argsort, and the chunk records each request's rows (a
+    span per request). Appending costs one copy plus a few whole-batch numpy
+    operations, never a copy or Python step per request: the harvest thread
+    appends once per layer per engine step and must keep up with serving.
+    A per-request index ((layer, chunk) -> span) serves per-request fetches;
+    it is built lazily, in batches, when a fetch or discard first needs it,
+    so neither appends nor drains of everything pay for it.
+
+    Trade-off (this replaces "each request owns its storage"): requests
+    share chunks, so draining one request does not by itself release memory,
+    and freeing memory can copy other requests' rows. A drained span is
+    marked dead; a chunk is freed once none of its rows are live, and
+    compacted (its live rows copied into a new, smaller tensor) once fewer
+    than half are. Every chunk therefore stays at least half live: the
+    memory held (``bytes_stored``, dead rows included) is at most twice the
+    live rows, even when long-lived requests share chunks with drained ones,
+    at the price of re-copying survivors (a geometric series: at most about
+    one extra copy of each row over its lifetime). Budgets count live rows.
+
     Request labels are small ints so the device-side planner can write them
     into int32 columns; ``request_index`` hands them out and recycles them.
     An index returns to the pool only when its request has finished AND none
-    of its rows remain, so a recycled index can never make old rows look like
-    they belong to a new request. The session must call ``finish_request``
-    only after every row of that request has been appended (after the drain
-    of its last step): rows that arrive for a released index would otherwise
-    be refused, or, once it is reused, attributed to its new owner.
+    of its rows remain (a per-request live-row count), so a recycled index
+    can never make old rows look like they belong to a new request. The
+    session must call ``finish_request`` only after every row of that
+    request has been appended (after the drain of its last step): rows that
+    arrive for a released index would otherwise be refused, or, once it is
+    reused, attributed to its new owner.
 
     Every public method holds ``lock`` (reentrant, so a caller that already
     holds it to group calls does not deadlock).
@@ -61,17 +135,27 @@ class StreamStore:
         self.config = config
         # layer -> chunk id -> chunk; chunk ids grow monotonically, so a
         # layer's dict is in append order.
-        self.chunks: dict[int, dict[int, _StoredChunk]] = {}
+        self.chunks: dict[int, dict[int, _Chunk]] = {}
         self._next_chunk = 0
-        # request index -> layer -> chunk ids (dict as an ordered set).
-        self._request_chunks: dict[int, dict[int, dict[int, None]]] = {}
+        # request index -> layer -> chunk id -> (slot, start row, rows) of the
+        # request's live span in that chunk. Built lazily (_index_chunks) from
+        # the chunks in _unindexed (chunk id -> layer), so an append costs no
+        # per-request Python work and a drain of everything never needs it.
+        self._request_chunks: dict[int, dict[int, dict[int, tuple[int, int, int]]]] = {}
+        self._unindexed: dict[int, int] = {}
         self.layer_names: dict[int, str] = {}
         self.req_table: dict[int, str] = {}
         self._req_index: dict[str, int] = {}
         # Client-visible id (and the full engine id) -> request indices.
         self._request_aliases: dict[str, set[int]] = {}
-        # Registration order; serialize() orders requests by it.
-        self._first_seen: dict[int, int] = {}
+        # Per request index, grown on demand so appends check and sort whole
+        # batches at once: registration rank (serialize() orders requests by
+        # it), live rows across layers, whether the index is assigned, and
+        # whether its rows are discarded (failed or elided request).
+        self._rank = np.zeros(0, dtype=np.int64)
+        self._live = np.zeros(0, dtype=np.int64)
+        self._assigned = np.zeros(0, dtype=bool)
+        self._blocked = np.zeros(0, dtype=bool)
         self._registrations = 0
         # FIFO: the longest-released index is reused first, so a just-released
         # index is not handed out again while older free ones exist.
@@ -82,9 +166,13 @@ class StreamStore:
         # selected rows / errors): fetch raises until the stream is cleared.
         self.elided_reqs: set[str] = set()
         self._failed_requests: dict[str, str] = {}
-        # Rows held per layer: the budget caps each layer at budget_rows,
+        # Live rows per layer: the budget caps each layer at budget_rows,
         # and draining frees room, so it bounds memory, not run length.
         self._layer_rows: dict[int, int] = {}
+        # Storage dtypes each layer's chunks may hold (several only when
+        # config.dtype is unset and appends differ); fetches promote.
+        self._layer_dtypes: dict[int, set[torch.dtype]] = {}
+        # Bytes of every chunk's storage, dead rows awaiting compaction included.
         self._bytes_stored = 0
         # Rows cut before the store (device ring) and, per layer, by the budget. A row the budget
         # cuts is cut in every layer of the stream, so it counts once: the largest layer count.
@@ -119,14 +207,26 @@ class StreamStore:
             else:
                 index = self._next_request_index
                 self._next_request_index += 1
+                if index >= self._rank.size:
+                    self._grow(index + 1)
             self.req_table[index] = req_id
             self._req_index[req_id] = index
             self._request_chunks[index] = {}
-            self._first_seen[index] = self._registrations
+            self._rank[index] = self._registrations
             self._registrations += 1
+            self._assigned[index] = True
+            self._blocked[index] = self._unservable(req_id)
             for alias in _aliases(req_id):
                 self._request_aliases.setdefault(alias, set()).add(index)
             return index
+
+    def _grow(self, needed: int) -> None:
+        size = max(64, 2 * self._rank.size, needed)
+        for name in ("_rank", "_live", "_assigned", "_blocked"):
+            old = getattr(self, name)
+            new = np.zeros(size, dtype=old.dtype)
+            new[: old.size] = old
+            setattr(self, name, new)
 
     def finish_request(self, req_id: str) -> None:
         """Let the request's index be recycled once its rows are drained."""
@@ -162,23 +262,27 @@ class StreamStore:
         index = self._req_index.get(req_id)
         if index is None:
             return
-        for layer_id, chunk_ids in list(self._request_chunks[index].items()):
-            for chunk_id in list(chunk_ids):
-                self._remove_chunk(layer_id, chunk_id)
+        self._blocked[index] = True
+        self._index_chunks()
+        for layer_id, held in list(self._request_chunks[index].items()):
+            chunk_ids = list(held)
+            spans = self._spans_at(chunk_ids, [index] * len(chunk_ids), list(held.values()))
+            self._kill(layer_id, spans)
         self._reclaim_requests({index})
 
     def _reclaim_requests(self, indices: set[int]) -> None:
         """Release finished requests among ``indices`` that hold no rows."""
         for index in indices:
-            if index in self._finished and not self._request_chunks.get(index):
+            if index in self._finished and self._live[index] == 0:
                 self._release_request(index)
 
     def _release_request(self, index: int) -> None:
         req_id = self.req_table.pop(index)
         del self._req_index[req_id]
         del self._request_chunks[index]
-        del self._first_seen[index]
         self._finished.discard(index)
+        self._assigned[index] = False
+        self._blocked[index] = False
         for alias in _aliases(req_id):
             indices = self._request_aliases[alias]
             indices.discard(index)
@@ -198,51 +302,77 @@ class StreamStore:
         meta: torch.Tensor,
         layer_name: str,
     ) -> None:
-        """Store one layer's drained host rows, split per request.
+        """Store one layer's drained host rows as one chunk.
 
         ``meta`` is int32 ``[rows, 3]`` (req_idx, position, token_id) with
-        req_idx from ``request_index``. The store copies what it keeps, so the
-        caller may reuse its (pinned) buffers as soon as this returns. Rows of
-        failed or cache-elided requests are discarded; rows past the layer's
-        budget are dropped (the first rows in row order are kept) and counted
-        in ``tokens_dropped``.
+        req_idx from ``request_index``. The store copies what it keeps (once,
+        grouped by request), so the caller may reuse its (pinned) buffers as
+        soon as this returns. Rows of failed or cache-elided requests are
+        discarded; rows past the layer's budget are dropped (the first rows
+        in row order are kept) and counted in ``tokens_dropped``.
         """
         with self.lock:
             self._check_rows(layer_id, tensor, meta, layer_name)
             if tensor.shape[0] == 0:
                 return
             tensor = tensor.detach()
-            meta = meta.detach()
-            req_idx = meta[:, 0].numpy()
-            unique = np.unique(req_idx).tolist()
-            unknown = [index for index in unique if index not in self.req_table]
-            if unknown:
-                raise RuntimeError(
-                    f"capture layer {layer_id} rows carry request indices "
-                    f"{unknown[:5]} that this stream never assigned (or already "
-                    "released); labels must come from request_index()"
-                )
-            servable = [i for i in unique if not self._unservable(self.req_table[i])]
-            if len(servable) == len(unique):
-                rows = np.arange(req_idx.size)
-            else:
-                rows = np.flatnonzero(np.isin(req_idx, servable))
-            rows = rows[: self._limit_rows(layer_id, rows.size)]
-            if rows.size == 0:
+            labels = meta.detach().numpy()
+            req_idx = labels[:, 0]
+            self._check_indices(layer_id, req_idx)
+            self._check_width(layer_id, tensor)
+            kept: np.ndarray | slice | None = None  # rows kept, ascending; None: a prefix
+            if self._failed_requests or self.elided_reqs:
+                blocked = self._blocked[req_idx]
+                if blocked.any():
+                    kept = np.flatnonzero(~blocked)
+            count = req_idx.size if kept is None else kept.size
+            keep = self._limit_rows(layer_id, count)
+            if keep == 0:
                 return
+            if kept is None:
+                kept = slice(0, keep)
+            else:
+                kept = kept[:keep]
+                if int(kept[-1]) - int(kept[0]) + 1 == keep:
+                    kept = slice(int(kept[0]), int(kept[0]) + keep)
+            owners = req_idx[kept]
+            # One stable argsort groups the rows by request (registration
+            # order), each request's rows staying in batch order.
+            ranks = self._rank[owners]
+            steps = ranks[1:] - ranks[:-1]
+            if (steps < 0).any():
+                order = np.argsort(ranks, kind="stable")
+                kept = order + kept.start if isinstance(kept, slice) else kept[order]
+                owners = owners[order]
+                ranks = ranks[order]
+                steps = ranks[1:] - ranks[:-1]
+            starts = np.flatnonzero(steps)
+            starts += 1
+            starts = np.concatenate((_ZERO, starts))
+            lens = np.empty_like(starts)
+            np.subtract(starts[1:], starts[:-1], out=lens[:-1])
+            lens[-1] = keep - starts[-1]
             dtype = tensor.dtype if self.config.dtype is None else self.config.dtype
-            # Stable sort: each request's rows keep their batch order.
-            by_request = rows[np.argsort(req_idx[rows], kind="stable")]
-            labels = req_idx[by_request]
-            starts = np.flatnonzero(np.diff(labels, prepend=labels[0] - 1))
-            for group in np.split(by_request, starts[1:]):
-                self._add_chunk(
-                    layer_id,
-                    int(req_idx[group[0]]),
-                    _take_rows(tensor, group, dtype),
-                    _take_rows(meta, group, torch.int32),
-                )
+            chunk = _Chunk(
+                _take(tensor, kept, dtype),
+                np.take(labels, kept, axis=0) if isinstance(kept, np.ndarray)
+                else labels[kept].copy(),
+                owners[starts].astype(np.int64),
+                starts,
+                lens,
+            )
+            self._add_chunk(layer_id, chunk)
+            self._layer_dtypes.setdefault(layer_id, set()).add(dtype)
             self.layer_names[layer_id] = layer_name
+
+    def _add_chunk(self, layer_id: int, chunk: _Chunk) -> None:
+        chunk_id = self._next_chunk
+        self._next_chunk += 1
+        self.chunks.setdefault(layer_id, {})[chunk_id] = chunk
+        self._unindexed[chunk_id] = layer_id
+        self._live[chunk.reqs] += chunk.lens  # reqs are distinct
+        self._layer_rows[layer_id] = self._layer_rows.get(layer_id, 0) + chunk.rows
+        self._bytes_stored += chunk.nbytes
 
     def _check_rows(
         self, layer_id: Any, tensor: Any, meta: Any, layer_name: Any
@@ -284,6 +414,31 @@ class StreamStore:
                 "stored; expected float32, float16 or bfloat16 (or set dtype)"
             )
 
+    def _check_indices(self, layer_id: int, req_idx: np.ndarray) -> None:
+        if (
+            int(req_idx.min()) >= 0
+            and int(req_idx.max()) < self._assigned.size
+            and self._assigned[req_idx].all()
+        ):
+            return
+        unknown = [index for index in np.unique(req_idx).tolist() if index not in self.req_table]
+        raise RuntimeError(
+            f"capture layer {layer_id} rows carry request indices "
+            f"{unknown[:5]} that this stream never assigned (or already "
+            "released); labels must come from request_index()"
+        )
+
+    def _check_width(self, layer_id: int, tensor: torch.Tensor) -> None:
+        layer = self.chunks.get(layer_id)
+        if not layer:
+            return
+        width = next(iter(layer.values())).tensor.shape[1]
+        if tensor.shape[1] != width:
+            raise RuntimeError(
+                f"capture layer {layer_id} rows are {tensor.shape[1]} wide but the "
+                f"layer already holds rows {width} wide"
+            )
+
     def count_dropped(self, count: int) -> None:
         """Count rows lost before they reached the store (a full device ring).
 
@@ -299,7 +454,8 @@ class StreamStore:
     @property
     def tokens_dropped(self) -> int:
         """Selected rows (sequence tokens) that were not stored, each counted once."""
-        return self._ring_dropped + max(self._budget_dropped.values(), default=0)
+        with self.lock:
+            return self._ring_dropped + max(self._budget_dropped.values(), default=0)
 
     def _limit_rows(self, layer_id: int, count: int) -> int:
         budget = self.config.budget_rows
@@ -317,29 +473,248 @@ class StreamStore:
                 )
         return keep
 
-    def _add_chunk(
-        self, layer_id: int, index: int, tensor: torch.Tensor, meta: torch.Tensor
-    ) -> None:
-        chunk_id = self._next_chunk
-        self._next_chunk += 1
-        self.chunks.setdefault(layer_id, {})[chunk_id] = _StoredChunk(tensor, meta, index)
-        self._request_chunks[index].setdefault(layer_id, {})[chunk_id] = None
-        self._layer_rows[layer_id] = self._layer_rows.get(layer_id, 0) + tensor.shape[0]
-        self._bytes_stored += _nbytes(tensor) + _nbytes(meta)
+    # ------------------------------------------------------------ spans & chunks
 
-    def _remove_chunk(self, layer_id: int, chunk_id: int) -> int:
-        chunk = self.chunks[layer_id].pop(chunk_id)
-        self._layer_rows[layer_id] -= chunk.tensor.shape[0]
-        self._bytes_stored -= _nbytes(chunk.tensor) + _nbytes(chunk.meta)
-        if not self.chunks[layer_id]:
+    def _index_chunks(self) -> None:
+        """Enter the live spans of not yet indexed chunks in ``_request_chunks``.
+
+        Batched: one Python step per (request, layer), not per span.
+        """
+        if not self._unindexed:
+            return
+        pending, self._unindexed = self._unindexed, {}
+        chunks = [self.chunks[layer_id][chunk_id] for chunk_id, layer_id in pending.items()]
+        counts = np.fromiter((c.reqs.size for c in chunks), dtype=np.int64, count=len(chunks))
+        live = np.concatenate([c.live for c in chunks])
+        reqs = np.concatenate([c.reqs for c in chunks])[live]  # live chunks: never empty
+        chunk_ids = np.repeat(np.fromiter(pending, dtype=np.int64, count=len(chunks)), counts)
+        layer_ids = np.repeat(
+            np.fromiter(pending.values(), dtype=np.int64, count=len(chunks)), counts
+        )
+        slots = np.arange(live.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = np.concatenate([c.starts for c in chunks])
+        lens = np.concatenate([c.lens for c in chunks])
+        chunk_ids, layer_ids = chunk_ids[live], layer_ids[live]
+        slots, starts, lens = slots[live], starts[live], lens[live]
+        order = np.lexsort((chunk_ids, layer_ids, reqs))
+        reqs, layer_ids = reqs[order], layer_ids[order]
+        change = np.empty(reqs.size, dtype=bool)
+        change[0] = True
+        change[1:] = (reqs[1:] != reqs[:-1]) | (layer_ids[1:] != layer_ids[:-1])
+        edges = np.flatnonzero(change).tolist() + [reqs.size]
+        reqs_l, layers_l, chunk_l = reqs.tolist(), layer_ids.tolist(), chunk_ids[order].tolist()
+        entries = list(zip(slots[order].tolist(), starts[order].tolist(), lens[order].tolist()))
+        by_request = self._request_chunks
+        for a, b in zip(edges, edges[1:]):
+            by_layer = by_request[reqs_l[a]]
+            held = by_layer.get(layers_l[a])
+            if held is None:
+                by_layer[layers_l[a]] = dict(zip(chunk_l[a:b], entries[a:b]))
+            else:
+                held.update(zip(chunk_l[a:b], entries[a:b]))
+
+    @staticmethod
+    def _spans_at(
+        chunk_ids: list[int], reqs: list[int], entries: list[tuple[int, int, int]]
+    ) -> _Spans:
+        """Spans from ``_request_chunks`` entries: (slot, start, length) per chunk."""
+        table = np.array(entries, dtype=np.int64).reshape(-1, 3)
+        return _Spans(
+            np.array(chunk_ids, dtype=np.int64),
+            np.array(reqs, dtype=np.int64),
+            table[:, 0],
+            table[:, 1],
+            table[:, 2],
+        )
+
+    def _scan_spans(self, layer_id: int, selected: np.ndarray | None) -> _Spans:
+        """Every live span of one layer (of ``selected`` requests, if given)."""
+        layer = self.chunks[layer_id]
+        chunks = list(layer.values())
+        counts = np.fromiter((c.reqs.size for c in chunks), dtype=np.int64, count=len(chunks))
+        keep = np.concatenate([c.live for c in chunks])
+        reqs = np.concatenate([c.reqs for c in chunks])
+        if selected is not None:
+            wanted = np.zeros(self._rank.size, dtype=bool)
+            wanted[selected] = True
+            keep &= wanted[reqs]
+        firsts = np.cumsum(counts) - counts
+        slots = np.arange(reqs.size, dtype=np.int64) - np.repeat(firsts, counts)
+        return _Spans(
+            np.repeat(np.fromiter(layer, dtype=np.int64, count=len(chunks)), counts)[keep],
+            reqs[keep],
+            slots[keep],
+            np.concatenate([c.starts for c in chunks])[keep],
+            np.concatenate([c.lens for c in chunks])[keep],
+        )
+
+    def _layer_spans(self, layer_id: int, selected: set[int] | None) -> _Spans | None:
+        """The live spans a fetch of ``selected`` requests (None: all) emits."""
+        wanted = None
+        if selected is not None:
+            by_request = self._request_chunks
+            found = sum(len(by_request[index].get(layer_id, ())) for index in selected)
+            if found == 0:
+                return None
+            # Few spans: read them off the per-request index; many: scan the layer.
+            if found <= 2 * len(self.chunks[layer_id]):
+                chunk_ids: list[int] = []
+                reqs: list[int] = []
+                entries: list[tuple[int, int, int]] = []
+                for index in selected:
+                    held = by_request[index].get(layer_id)
+                    if held:
+                        chunk_ids.extend(held)
+                        entries.extend(held.values())
+                        reqs.extend([index] * len(held))
+                return self._spans_at(chunk_ids, reqs, entries)
+            wanted = np.fromiter(selected, dtype=np.int64, count=len(selected))
+        spans = self._scan_spans(layer_id, wanted)
+        return spans if spans.req.size else None
+
+    def _gather(self, layer_id: int, spans: _Spans) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the spans' rows and labels out in wire order.
+
+        Wire order: requests by registration, each request's rows in append
+        (chunk id) order.
+        """
+        layer = self.chunks[layer_id]
+        total = int(spans.length.sum())
+        first = layer[int(spans.chunk[0])]
+        if first.rows == total and (spans.chunk == spans.chunk[0]).all():
+            return first.tensor, torch.from_numpy(first.meta)  # whole chunk, in wire order
+        order = np.lexsort((spans.chunk, self._rank[spans.req]))
+        dtypes = self._layer_dtypes[layer_id]
+        if len(dtypes) > 1:  # only what these chunks hold
+            dtypes = {layer[c].tensor.dtype for c in _distinct(spans.chunk)}
+        dtype = functools.reduce(torch.promote_types, dtypes)
+        spans_count = spans.req.size
+        if (
+            len(dtypes) == 1
+            and spans_count > 8
+            and total < 8 * spans_count
+            and spans_count > 8 * len(_distinct(spans.chunk))
+        ):
+            # Many small spans per chunk (decode steps): a Python step per
+            # span would dominate, so scatter each chunk's rows at once.
+            return self._scatter(layer, spans, order, total, dtype)
+        # Few or long spans: concatenate their row ranges in wire order.
+        ends = spans.start + spans.length
+        pieces = list(
+            zip(spans.chunk[order].tolist(), spans.start[order].tolist(), ends[order].tolist())
+        )
+        meta = np.concatenate([layer[c].meta[s:e] for c, s, e in pieces])
+        if len(dtypes) > 1:
+            rows = torch.cat([layer[c].tensor[s:e].to(dtype) for c, s, e in pieces])
+        elif total * first.raw[:1].nbytes >= _LARGE_COPY:
+            rows = torch.cat([layer[c].tensor[s:e] for c, s, e in pieces])
+        else:
+            rows = torch.empty((total, first.tensor.shape[1]), dtype=dtype)
+            np.concatenate([layer[c].raw[s:e] for c, s, e in pieces], out=_raw(rows))
+        return rows, torch.from_numpy(meta)
+
+    @staticmethod
+    def _scatter(
+        layer: dict[int, _Chunk], spans: _Spans, order: np.ndarray, total: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Many small spans per chunk: one row scatter per chunk.
+
+        Within a chunk, spans ascend in both source and destination rows: the
+        chunk stores its requests in registration order.
+        """
+        lens = spans.length
+        dst = np.empty_like(lens)
+        dst[order] = np.cumsum(lens[order]) - lens[order]
+        by_chunk = np.lexsort((spans.start, spans.chunk))
+        chunk_ids = spans.chunk[by_chunk]
+        starts, lens, dst = spans.start[by_chunk], lens[by_chunk], dst[by_chunk]
+        first_row = np.cumsum(lens) - lens
+        span_of = np.repeat(np.arange(lens.size), lens)
+        within = np.arange(total, dtype=np.int64) - first_row[span_of]
+        src_rows, dst_rows = starts[span_of] + within, dst[span_of] + within
+        edges = _run_starts(chunk_ids)
+        row_edges = first_row[edges].tolist() + [total]
+        out = torch.empty((total, layer[int(chunk_ids[0])].tensor.shape[1]), dtype=dtype)
+        out_rows, out_meta = _raw(out), np.empty((total, 3), dtype=np.int32)
+        for g, chunk_id in enumerate(chunk_ids[edges].tolist()):
+            chunk = layer[chunk_id]
+            r0, r1 = row_edges[g], row_edges[g + 1]
+            src, to = src_rows[r0:r1], dst_rows[r0:r1]
+            n = r1 - r0
+            if n == chunk.rows:  # the whole chunk, in order
+                rows, meta = chunk.raw, chunk.meta
+            else:
+                rows, meta = chunk.raw[src], chunk.meta[src]
+            out_rows[to] = rows
+            out_meta[to] = meta
+        return out, torch.from_numpy(out_meta)
+
+    def _kill(self, layer_id: int, spans: _Spans) -> None:
+        """Remove the spans' rows: free emptied chunks, compact sparse ones.
+
+        ``spans`` holds every live span in this layer of each request it
+        names (fetches, discards and layer drops all take whole requests), so
+        those requests simply leave the layer's per-request index.
+        """
+        layer = self.chunks[layer_id]
+        unindexed = self._unindexed
+        by_request = self._request_chunks
+        for index in _distinct(spans.req):
+            by_request[index].pop(layer_id, None)
+        np.subtract.at(self._live, spans.req, spans.length)
+        self._layer_rows[layer_id] -= int(spans.length.sum())
+        if spans.chunk.size > 1:
+            order = np.argsort(spans.chunk, kind="stable")
+            chunk_ids, slots, lens = spans.chunk[order], spans.slot[order], spans.length[order]
+        else:
+            chunk_ids, slots, lens = spans.chunk, spans.slot, spans.length
+        edges = _run_starts(chunk_ids)
+        group_rows = np.add.reduceat(lens, edges).tolist()
+        bounds = edges.tolist() + [chunk_ids.size]
+        for g, chunk_id in enumerate(chunk_ids[edges].tolist()):
+            chunk = layer[chunk_id]
+            a, b = bounds[g], bounds[g + 1]
+            if b - a == 1:
+                chunk.live[slots[a]] = False
+            else:
+                chunk.live[slots[a:b]] = False
+            chunk.live_rows -= group_rows[g]
+            if chunk.live_rows == 0:
+                del layer[chunk_id]
+                unindexed.pop(chunk_id, None)
+                self._bytes_stored -= chunk.nbytes
+            elif 2 * chunk.live_rows < chunk.rows:
+                self._compact(layer_id, chunk_id, chunk)
+        if not layer:
             del self.chunks[layer_id]
             del self._layer_rows[layer_id]
+            del self._layer_dtypes[layer_id]
             del self.layer_names[layer_id]
-        by_layer = self._request_chunks[chunk.request_index]
-        del by_layer[layer_id][chunk_id]
-        if not by_layer[layer_id]:
-            del by_layer[layer_id]
-        return chunk.request_index
+
+    def _compact(self, layer_id: int, chunk_id: int, chunk: _Chunk) -> None:
+        """Copy a chunk's live rows into a smaller tensor, releasing the dead ones."""
+        slots = np.flatnonzero(chunk.live)
+        lens = chunk.lens[slots]
+        starts = np.cumsum(lens) - lens
+        first = int(chunk.starts[slots[0]])
+        rows: np.ndarray | slice
+        if int(chunk.starts[slots[-1]] + lens[-1]) - first == chunk.live_rows:
+            rows = slice(first, first + chunk.live_rows)  # one run of rows
+        else:
+            rows = np.repeat(chunk.starts[slots] - starts, lens) + np.arange(
+                chunk.live_rows, dtype=np.int64
+            )
+        before = chunk.nbytes
+        chunk.set_rows(_take(chunk.tensor, rows, chunk.tensor.dtype), chunk.meta[rows].copy())
+        chunk.reqs, chunk.starts, chunk.lens = chunk.reqs[slots], starts, lens
+        chunk.live = np.ones(slots.size, dtype=bool)
+        self._bytes_stored += chunk.nbytes - before
+        if chunk_id not in self._unindexed:
+            by_request = self._request_chunks
+            for slot, (req, start, length) in enumerate(
+                zip(chunk.reqs.tolist(), starts.tolist(), lens.tolist())
+            ):
+                by_request[req][layer_id][chunk_id] = (slot, start, length)
 
     # ------------------------------------------------------------------- fetches
 
@@ -371,21 +746,25 @@ class StreamStore:
             wanted = self._wanted_layers(layers)
             self._check_servable(req_ids)
             selected = None if req_ids is None else self._indices_for(req_ids)
+            if selected:
+                self._index_chunks()
             result: dict[int, dict[str, Any]] = {}
-            emitted: list[tuple[int, int]] = []
+            emitted: list[tuple[int, _Spans]] = []
             for layer_id in wanted:
-                picked = self._picked_chunks(layer_id, selected)
-                if not picked:
+                spans = self._layer_spans(layer_id, selected)
+                if spans is None:
                     continue
                 result[layer_id] = serialize_capture_layer(
-                    _concat([chunk.tensor for _, chunk in picked]),
-                    _concat([chunk.meta for _, chunk in picked]),
+                    *self._gather(layer_id, spans),
                     self.req_table,
                     self.layer_names[layer_id],
                 )
-                emitted.extend((layer_id, chunk_id) for chunk_id, _ in picked)
+                emitted.append((layer_id, spans))
             if clear_selected:
-                touched = {self._remove_chunk(*key) for key in emitted}
+                touched: set[int] = set()
+                for layer_id, spans in emitted:
+                    touched.update(_distinct(spans.req))
+                    self._kill(layer_id, spans)
                 self._reclaim_requests(touched)
             return result
 
@@ -428,23 +807,6 @@ class StreamStore:
             index for req_id in req_ids for index in self._request_aliases.get(req_id, ())
         }
 
-    def _picked_chunks(
-        self, layer_id: int, selected: set[int] | None
-    ) -> list[tuple[int, _StoredChunk]]:
-        layer = self.chunks[layer_id]
-        if selected is None:
-            candidates = list(layer.items())
-        else:
-            candidates = [
-                (chunk_id, layer[chunk_id])
-                for index in selected
-                for chunk_id in self._request_chunks[index].get(layer_id, ())
-            ]
-        first_seen = self._first_seen
-        return sorted(
-            candidates, key=lambda item: (first_seen[item[1].request_index], item[0])
-        )
-
     def clear(self) -> None:
         """Drop every row, error and counter; keep active requests' indices.
 
@@ -453,11 +815,15 @@ class StreamStore:
         """
         with self.lock:
             self.chunks.clear()
+            self._unindexed.clear()
             self.layer_names.clear()
             self._layer_rows.clear()
+            self._layer_dtypes.clear()
             self._bytes_stored = 0
             for by_layer in self._request_chunks.values():
                 by_layer.clear()
+            self._live[:] = 0
+            self._blocked[:] = False
             self.elided_reqs.clear()
             self._failed_requests.clear()
             self._ring_dropped = 0
@@ -468,10 +834,11 @@ class StreamStore:
     def drop_layers(self, layers: list[int]) -> None:
         """Release every row of the given layers (after a layer-wise fetch)."""
         with self.lock:
-            touched = set()
+            touched: set[int] = set()
             for layer_id in self._wanted_layers(layers):
-                for chunk_id in list(self.chunks[layer_id]):
-                    touched.add(self._remove_chunk(layer_id, chunk_id))
+                spans = self._scan_spans(layer_id, None)
+                touched.update(_distinct(spans.req))
+                self._kill(layer_id, spans)
             self._reclaim_requests(touched)
 
     def status(self) -> dict[str, int]:
@@ -497,22 +864,66 @@ def _aliases(req_id: str) -> set[str]:
     return {req_id}
 
 
-def _take_rows(source: torch.Tensor, rows: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """Copy ``rows`` of ``source`` into a tensor only the store references.
+def _distinct(values: np.ndarray) -> list[int]:
+    """The distinct values of a non-empty int array (often all equal), ascending.
 
-    A view would keep the drain's whole buffer (and other requests' rows)
-    alive, and the drain reuses its pinned pages.
+    Sort-based: np.unique's first call in a process imports modules (~0.1 s).
     """
-    start, stop = int(rows[0]), int(rows[-1]) + 1
-    if stop - start == rows.size:
-        out = torch.empty((rows.size, source.shape[1]), dtype=dtype)
-        out.copy_(source[start:stop])
-        return out
-    return source.index_select(0, torch.from_numpy(rows)).to(dtype)
+    head = int(values[0])
+    if (values == head).all():
+        return [head]
+    ordered = np.sort(values)
+    return ordered[_run_starts(ordered)].tolist()
 
 
-def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+def _run_starts(values: np.ndarray) -> np.ndarray:
+    """Indices where a run of equal values starts (``values`` non-empty)."""
+    change = np.empty(values.size, dtype=bool)
+    change[0] = True
+    np.not_equal(values[1:], values[:-1], out=change[1:])
+    return np.flatnonzero(change)
+
+
+def _take(source: torch.Tensor, rows: np.ndarray | slice, dtype: torch.dtype) -> torch.Tensor:
+    """Copy ``rows`` of 2-D ``source`` into a fresh tensor only the store references.
+
+    A view would keep the drain's whole buffer (and rows the store does not
+    keep) alive, and the drain reuses its pinned pages.
+    """
+    # Slices always come with explicit bounds here.
+    count = rows.stop - rows.start if isinstance(rows, slice) else rows.size
+    width = source.shape[1]
+    if source.dtype != dtype or count * width * source.element_size() >= _LARGE_COPY:
+        # torch casts (numpy has no bfloat16) and copies large blocks with its
+        # intra-op threads where it has them.
+        if isinstance(rows, slice):
+            out = torch.empty((count, width), dtype=dtype)
+            out.copy_(source[rows])
+            return out
+        return source.index_select(0, torch.from_numpy(rows)).to(dtype)
+    # torch allocates: freed blocks are reused without page faults, where
+    # numpy's allocations of this size were measured to fault afresh.
+    out = torch.empty((count, width), dtype=dtype)
+    if isinstance(rows, slice):
+        _raw(out)[...] = _raw(source)[rows]
+    else:
+        # mode="clip": rows are in range, and the default mode buffers ``out``.
+        np.take(_raw(source), rows, axis=0, out=_raw(out), mode="clip")
+    return out
+
+
+def _raw(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor (bf16 as its int16 bits), sharing its memory.
+
+    Row copies, gathers and scatters below ``_LARGE_COPY`` go through numpy:
+    it moves 2-D rows at memory speed on the calling thread, where torch's
+    CPU index_put_ / index_copy_ are several times slower and its intra-op
+    thread pool, dispatched for every small copy, stalls when the host's
+    cores are busy.
+    """
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
