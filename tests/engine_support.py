@@ -190,6 +190,28 @@ class FidelityReport:
         write_report(f"fidelity_{self.name}", self.as_dict())
 
 
+def compare_with_hf(result, prompts, fed, hf: "HFReference", stream: str, num_layers: int,
+                    report: "FidelityReport", checks: list, what: str = "",
+                    per_layer: bool = False) -> None:
+    """Pair every captured row of ``stream`` with HF's row at the same absolute position.
+
+    Errors go to ``report`` (all rows, prompt rows, generated rows); the pairs are appended to
+    ``checks`` as ``(got, want, label)`` for the caller's tolerance assertion.
+    """
+    for i, (p, f) in enumerate(zip(prompts, fed)):
+        ref = hf.run(f)[stream]
+        pos = result.sample_positions(i).long()
+        for layer in range(num_layers):
+            got, want = result.sample_rows(i, layer), ref[layer][pos]
+            prompt_rows = pos < len(p)
+            report.add(stream, got, want)
+            report.add(f"{stream}/prompt", got[prompt_rows], want[prompt_rows])
+            report.add(f"{stream}/generation", got[~prompt_rows], want[~prompt_rows])
+            if per_layer:
+                report.add(f"{stream}/layer{layer}", got, want)
+            checks.append((got, want, f"{what}{stream} prompt {i} (len {len(p)}) layer {layer}"))
+
+
 def write_report(name: str, data: dict) -> None:
     """Write ``data`` as JSON under ``$VLLM_CAPTURE_TEST_REPORT`` (if set)."""
     folder = os.environ.get("VLLM_CAPTURE_TEST_REPORT")

@@ -25,6 +25,7 @@ from tests.engine_support import (
     HFReference,
     assert_close_rows,
     check_result_labels,
+    compare_with_hf,
     fed_tokens,
     make_llm,
     random_prompt,
@@ -186,17 +187,7 @@ def test_fidelity_vs_hf(arch, llm, hf):
             if stream == "attention_heads":
                 assert res.layouts[layer]["num_heads"] == HEADS
                 assert res.layouts[layer]["head_size"] == HEAD_SIZE
-        for i, (p, f) in enumerate(zip(prompts, fed)):
-            ref = hf.run(f)[stream]
-            pos = res.sample_positions(i).long()
-            for layer in range(NUM_LAYERS):
-                got, want = res.sample_rows(i, layer), ref[layer][pos]
-                prompt_rows = pos < len(p)
-                report.add(stream, got, want)
-                report.add(f"{stream}/prompt", got[prompt_rows], want[prompt_rows])
-                report.add(f"{stream}/generation", got[~prompt_rows], want[~prompt_rows])
-                checks.append((got, want, f"{arch} {stream} prompt {i} (len {len(p)}) "
-                                          f"layer {layer}"))
+        compare_with_hf(res, prompts, fed, hf, stream, NUM_LAYERS, report, checks, f"{arch} ")
     report.emit()
     for got, want, what in checks:
         assert_close_rows(got, want, rtol=RTOL, atol=ATOL, what=what)

@@ -30,6 +30,7 @@ from tests.engine_support import (
     assert_close_rows,
     brute_force_positions,
     check_result_labels,
+    compare_with_hf,
     fed_tokens,
     make_llm,
     owner_of,
@@ -115,18 +116,7 @@ def test_fidelity_vs_hf(llm, hf):
         assert sorted(res.layers) == list(range(NUM_LAYERS))
         fed = [fed_tokens(p, o) for p, o in zip(prompts, res.outputs)]
         check_result_labels(res, fed, [range(len(f)) for f in fed])
-        for i, (p, f) in enumerate(zip(prompts, fed)):
-            ref = hf.run(f)[stream]
-            pos = res.sample_positions(i).long()
-            for layer in range(NUM_LAYERS):
-                got = res.sample_rows(i, layer)
-                want = ref[layer][pos]
-                prompt_rows = pos < len(p)
-                report.add(stream, got, want)
-                report.add(f"{stream}/prompt", got[prompt_rows], want[prompt_rows])
-                report.add(f"{stream}/generation", got[~prompt_rows], want[~prompt_rows])
-                report.add(f"{stream}/layer{layer}", got, want)
-                checks.append((got, want, f"{stream} prompt {i} (len {len(p)}) layer {layer}"))
+        compare_with_hf(res, prompts, fed, hf, stream, NUM_LAYERS, report, checks, per_layer=True)
     report.emit()
     for got, want, what in checks:
         assert_close_rows(got, want, rtol=RTOL, atol=ATOL, what=what)

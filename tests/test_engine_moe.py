@@ -22,6 +22,7 @@ from tests.engine_support import (
     assert_close_rows,
     brute_force_positions,
     check_result_labels,
+    compare_with_hf,
     fed_tokens,
     make_llm,
     random_prompt,
@@ -80,16 +81,7 @@ def test_router_and_hidden_fidelity_vs_hf(llm, hf):
         if stream == "router_logits":
             assert res.layers[0].shape[1] == NUM_EXPERTS
             assert res.layouts[0]["width"] == NUM_EXPERTS
-        for i, (p, f) in enumerate(zip(prompts, fed)):
-            ref = hf.run(f)[stream]
-            pos = res.sample_positions(i).long()
-            for layer in range(NUM_LAYERS):
-                got, want = res.sample_rows(i, layer), ref[layer][pos]
-                prompt_rows = pos < len(p)
-                report.add(stream, got, want)
-                report.add(f"{stream}/prompt", got[prompt_rows], want[prompt_rows])
-                report.add(f"{stream}/generation", got[~prompt_rows], want[~prompt_rows])
-                checks.append((got, want, f"{stream} prompt {i} (len {len(p)}) layer {layer}"))
+        compare_with_hf(res, prompts, fed, hf, stream, NUM_LAYERS, report, checks)
     report.emit()
     for got, want, what in checks:
         assert_close_rows(got, want, rtol=RTOL, atol=ATOL, what=what)
