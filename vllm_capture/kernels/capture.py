@@ -152,7 +152,7 @@ def _check(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc
     need(slots * ring_cap == 0 or ring.shape[2] == W, f"ring width {ring.shape[2]} != W {W}")
     need(tuple(ring_labels.shape) == (slots, ring_cap, L.LABEL_FIELDS),
          f"ring_labels shape {tuple(ring_labels.shape)} != {(slots, ring_cap, L.LABEL_FIELDS)}")
-    need(acc.dim() == 2 and acc.dtype == torch.float32, f"acc must be fp32 [acc_slots, W]")
+    need(acc.dim() == 2 and acc.dtype == torch.float32, "acc must be fp32 [acc_slots, W]")
     n_acc = acc.shape[0]
     need(n_acc == 0 or acc.shape[1] == W, f"acc width {acc.shape[1]} != W {W}")
     need(tuple(acc_labels.shape) == (n_acc, L.LABEL_FIELDS), f"acc_labels shape {tuple(acc_labels.shape)}")
