@@ -11,6 +11,7 @@ recycled after every row of it has been stored.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import queue
 import threading
@@ -482,7 +483,13 @@ def selects_positions_below(track: RequestTrack, stop: int) -> bool:
 
 
 def _parse_request_selects(raw) -> dict[str, dict]:
-    """``extra_args["capture"]``: a SelectSpec wire dict, or {stream: wire dict}."""
+    """``extra_args["capture"]``: a SelectSpec wire dict, or {stream: wire dict}, or either as a
+    JSON string (the OpenAI-compatible server's ``vllm_xargs`` only carries scalars and lists)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON ({exc.msg} at position {exc.pos})") from None
     if not isinstance(raw, dict):
         raise ValueError("expected a SelectSpec wire dict or {stream: SelectSpec wire dict}")
     if raw and set(raw) <= set(COMPONENTS):

@@ -1,0 +1,33 @@
+"""Per-request selections as they arrive in SamplingParams.extra_args["capture"]."""
+
+import json
+
+import pytest
+
+from vllm_capture.selection import SelectSpec
+from vllm_capture.session.session import _parse_request_selects
+
+LAST = SelectSpec.last_prompt_token().to_wire()
+
+
+@pytest.mark.parametrize("raw", [LAST, json.dumps(LAST)])
+def test_one_clause_applies_to_every_stream(raw):
+    assert _parse_request_selects(raw) == {"*": LAST}
+
+
+@pytest.mark.parametrize("raw", [{"attention_heads": LAST},
+                                 json.dumps({"attention_heads": LAST})])
+def test_per_stream_clauses(raw):
+    assert _parse_request_selects(raw) == {"attention_heads": LAST}
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ("{not json", "not valid JSON"),
+    ('["prompt"]', "expected a SelectSpec wire dict"),
+    (7, "expected a SelectSpec wire dict"),
+    ({"prompt_positons": [0]}, "prompt_positons"),
+    (json.dumps({"hidden_states": {"prompt": "some"}}), "prompt"),
+])
+def test_bad_request_selects_name_the_problem(raw, needle):
+    with pytest.raises(ValueError, match=needle):
+        _parse_request_selects(raw)
