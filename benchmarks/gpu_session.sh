@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
-#   bash benchmarks/gpu_session.sh SET [MODEL]   SET: dense | moe | dense+moe | bench-quick | bench-full
-#   (MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe; default 8b)
+#   bash benchmarks/gpu_session.sh SET [MODEL]
+#   SET: dense | moe | tp | bench-quick | bench-full   (tp needs 2 GPUs and the dense+moe runs'
+#   /tmp/*.pt files of the same warm machine; MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe)
 set -uo pipefail
 SET=${1:-dense}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,7 +15,8 @@ export VLLM_CAPTURE_TINY_DIR=/tmp/tiny
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import vllm, torch, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" 2>/dev/null | tee -a "$OUT/gpu.txt"
 G=tests/gpu/gpu_checks.py
-run() { local name=$1; shift; echo "== $name"; timeout 420 python3 $G run "$@" --out /tmp/$name.pt >"$OUT/$name.log" 2>&1; echo "rc=$? $(grep -E '^\{' "$OUT/$name.log" | tail -1 | cut -c1-300)"; }
+run() { local name=$1; shift; echo "== $name"; timeout ${RUN_TIMEOUT:-300} python3 $G run "$@" --out /tmp/$name.pt >"$OUT/$name.log" 2>&1; echo "rc=$? $(grep -E '^\{' "$OUT/$name.log" | tail -1 | cut -c1-300)"; }
+compare() { local name=$1 model=$2; shift 2; python3 $G compare --run /tmp/$name.pt --model-dir /tmp/tiny/$model --report "$OUT/${name}_report.json" "$@" >"$OUT/${name}_compare.log" 2>&1; echo "compare $name rc=$?"; }
 case "$SET" in
   dense)
     run llama_vanilla --model llama --no-capture
@@ -22,17 +24,26 @@ case "$SET" in
     run llama_eager --model llama --mode eager
     # Same compiled model without graphs: the op's eager path, for the bit-identity check.
     run llama_nograph --model llama --mode nograph
-    python3 $G compare --graph /tmp/llama_graph.pt --eager /tmp/llama_eager.pt --nograph /tmp/llama_nograph.pt --model-dir /tmp/tiny/llama --report "$OUT/dense_report.json" >"$OUT/dense_compare.log" 2>&1; echo "compare rc=$?"
-    ;;
-  dense+moe)
-    bash "$0" dense; bash "$0" moe; exit 0
+    compare llama_graph llama --against eager=/tmp/llama_eager.pt --against nograph=/tmp/llama_nograph.pt
     ;;
   moe)
-    # The tiny Mixtral hung at checkpoint load on 2026-11-30: in-process, with a stack dump.
-    run mixtral_graph --model mixtral --mode graph --inproc --stack-dump-s 240
-    run mixtral_eager --model mixtral --mode eager
+    # Qwen3-MoE and Mixtral run on the V1 runner; Qwen3-MoE's gate runs inside vLLM's fused-MoE op.
+    run qwen3_moe_graph --model qwen3_moe --mode graph
+    run qwen3_moe_eager --model qwen3_moe --mode eager
+    compare qwen3_moe_graph qwen3_moe --against eager=/tmp/qwen3_moe_eager.pt
+    # The dense model on the V1 runner too.
     run llama_v1_graph --model llama --mode graph --v1
-    python3 $G compare --graph /tmp/mixtral_graph.pt --eager /tmp/mixtral_eager.pt --model-dir /tmp/tiny/mixtral --report "$OUT/moe_report.json" >"$OUT/moe_compare.log" 2>&1; echo "compare rc=$?"
+    compare llama_v1_graph llama --against v2_graph=/tmp/llama_graph.pt
+    # The tiny Mixtral hung at checkpoint load on 2026-11-30: in-process, with a stack dump.
+    RUN_TIMEOUT=200 run mixtral_graph --model mixtral --mode graph --inproc --stack-dump-s 170
+    [ -f /tmp/mixtral_graph.pt ] && compare mixtral_graph mixtral
+    ;;
+  tp)
+    run llama_tp2_vanilla --model llama --no-capture --tp 2
+    run llama_tp2_graph --model llama --mode graph --tp 2
+    compare llama_tp2_graph llama --against tp1=/tmp/llama_graph.pt
+    run qwen3_moe_tp2_graph --model qwen3_moe --mode graph --tp 2
+    compare qwen3_moe_tp2_graph qwen3_moe --against tp1=/tmp/qwen3_moe_graph.pt
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi
@@ -41,7 +52,8 @@ case "$SET" in
 esac
 echo "== summary"
 for f in "$OUT"/*_report.json; do [ -f "$f" ] && python3 -c "
-import json,sys; r=json.load(open('$f'))
+import json; r=json.load(open('$f'))
 for k,v in r.items():
-    print('$f'.split('/')[-1], k, json.dumps(v)[:400])"; done
-grep -h "Traceback\|Error" "$OUT"/*.log 2>/dev/null | sort | uniq -c | head -20
+    print('$f'.split('/')[-1][:-12], k, json.dumps(v)[:600])"; done
+for f in "$OUT"/*.log; do grep -q "Traceback" "$f" && { echo "-- $f"; grep -B2 -A0 -E "^[A-Za-z.]*(Error|Exception)" "$f" | tail -6; }; done
+exit 0

@@ -139,7 +139,7 @@ class Engine:
     """CaptureGraphState + CaptureSession driven like the V1 runner wrappers drive them."""
 
     def __init__(self, capacity=MAX_ROWS, acc_slots=8, ring_slots=2, ids_dtype=torch.int32,
-                 host_tokens_rng: random.Random | None = None):
+                 host_tokens_rng: random.Random | None = None, rank0_only=()):
         self.state = CaptureGraphState(device=torch.device("cpu"), capacity=capacity,
                                        ring_slots=ring_slots, acc_slots=acc_slots)
         self.counters = []
@@ -150,7 +150,7 @@ class Engine:
         self.state.allocate()
         self.input_ids = torch.full((MAX_ROWS,), 3, dtype=ids_dtype)
         self.state.set_input_ids(self.input_ids)
-        self.session = CaptureSession(self.state, LAYOUTS)
+        self.session = CaptureSession(self.state, LAYOUTS, rank0_only=rank0_only)
         self.finished: list[Req] = []
         self.step_no = 0
         self.steps: list[list[Entry]] = []
@@ -870,6 +870,32 @@ def test_reduce_last_and_mean_example():
         rows = decode_rows(*engine.fetch(ref.component))
         check_reduced(ref, rows, [a.rid, b.rid])
         assert engine.session.stream_status(ref.component)["pending_reductions"] == 0
+
+
+@pytest.mark.parametrize("reduce", ["all", "last"])
+def test_a_rank_that_does_not_own_a_replicated_stream_copies_nothing(reduce):
+    """Tensor parallelism: rank 1 runs the same steps with hidden states left to rank 0; its
+    heads (sharded, so captured on every rank) match rank 0's rows exactly."""
+    fetched = []
+    for engine in (Engine(), Engine(rank0_only=(HS,))):
+        for stream in (HS, AH):
+            engine.session.enable_stream(stream, reduce=reduce)
+        a = Req(num=0, prompt=[1, 2, 3, 4, 0, 1, 2], gen=[3, 4])
+        b = Req(num=1, prompt=[4, 4], gen=[1])
+        engine.step([(a, 4)], pad=2)
+        engine.step([(a, 3), (b, 2)])
+        engine.step([(a, 1), (b, 1)])
+        engine.step([(a, 1)])
+        assert a.done and b.done
+        fetched.append((engine, {c: decode_rows(*engine.fetch(c)) for c in (HS, AH)}))
+    (rank0, rows0), (rank1, rows1) = fetched
+    assert all(int(s.counter[L.SITE_ENABLED]) == 0 for s in rank1.state.sites_of(HS))
+    assert rows1[HS] == {} and rank1.session.stream_status(HS)["tokens_stored"] == 0
+    assert sum(len(v) for v in rows0[HS].values()) > 0
+    assert rows1[AH].keys() == rows0[AH].keys()
+    for layer, rows in rows0[AH].items():
+        assert [r[:3] for r in rows1[AH][layer]] == [r[:3] for r in rows]
+        assert all(np.array_equal(x[3], y[3]) for x, y in zip(rows1[AH][layer], rows))
 
 
 def test_more_concurrent_requests_than_slots_fail_at_fetch():

@@ -58,8 +58,10 @@ def stop_capture(llm, stream: str = HIDDEN_STATES) -> None:
     _rpc(llm, "stop_capture", stream)
 
 
-def capture_status(llm, stream: str = HIDDEN_STATES) -> dict:
-    return _rpc(llm, "capture_status", stream)[0]
+def capture_status(llm, stream: str = HIDDEN_STATES, all_ranks: bool = False):
+    """Rank 0's status, or every rank's (a list ordered by ``tp_rank``) with ``all_ranks``."""
+    replies = _rpc(llm, "capture_status", stream)
+    return sorted(replies, key=lambda r: r.get("tp_rank", 0)) if all_ranks else replies[0]
 
 
 def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,

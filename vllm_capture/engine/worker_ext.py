@@ -24,7 +24,7 @@ from vllm_capture.engine.config import EngineCaptureConfig
 from vllm_capture.engine.instrument import find_targets, instrument
 from vllm_capture.engine.runners import wrap_runner
 from vllm_capture.kernels.ops import register_op, set_site_handler
-from vllm_capture.session.components import COMPONENTS
+from vllm_capture.session.components import COMPONENTS, REPLICATED_COMPONENTS
 from vllm_capture.session.session import CaptureSession
 
 logger = logging.getLogger("vllm_capture")
@@ -38,6 +38,16 @@ def _capacity(cfg: EngineCaptureConfig, targets, vllm_config) -> int:
     if bytes_per_row == 0:
         return max_tokens
     return max(1, min(max_tokens, cfg.buffer_bytes // bytes_per_row))
+
+
+def tp_rank_and_size() -> dict:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        return {"tp_rank": int(group.rank_in_group), "tp_size": int(group.world_size)}
+    except (ImportError, AssertionError, AttributeError):
+        return {"tp_rank": 0, "tp_size": 1}
 
 
 def install(worker) -> CaptureSession | None:
@@ -73,7 +83,11 @@ def install(worker) -> CaptureSession | None:
     layouts = {c: {} for c in COMPONENTS}
     for t in targets:
         layouts[t.component][t.layer_id] = dict(t.layout)
-    session = CaptureSession(state, layouts)
+    # Hidden states and router logits are replicated across tensor-parallel ranks: rank 0
+    # captures them, the other ranks keep the call sites (same graphs) with the kernels idle.
+    rank = tp_rank_and_size()["tp_rank"]
+    session = CaptureSession(state, layouts,
+                             rank0_only=() if rank == 0 else REPLICATED_COMPONENTS)
     state.set_input_ids(wrap_runner(runner, session))
     set_site_handler(state.handle)
     setattr(worker, SESSION_ATTR, session)
@@ -147,13 +161,7 @@ class CaptureWorkerExtension:
         return session
 
     def _capture_rank(self) -> dict:
-        try:
-            from vllm.distributed.parallel_state import get_tp_group
-
-            group = get_tp_group()
-            return {"tp_rank": int(group.rank_in_group), "tp_size": int(group.world_size)}
-        except Exception:
-            return {"tp_rank": 0, "tp_size": 1}
+        return tp_rank_and_size()
 
     @_tagged_errors
     def start_capture(self, stream: str, config: dict | None = None) -> dict:

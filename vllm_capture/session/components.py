@@ -9,3 +9,6 @@ ATTENTION_HEADS = "attention_heads"
 ROUTER_LOGITS = "router_logits"
 
 COMPONENTS = (HIDDEN_STATES, ATTENTION_HEADS, ROUTER_LOGITS)
+
+# Identical on every tensor-parallel rank (attention heads are sharded by head instead).
+REPLICATED_COMPONENTS = (HIDDEN_STATES, ROUTER_LOGITS)

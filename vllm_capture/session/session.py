@@ -93,8 +93,12 @@ class _Finish:
 class CaptureSession:
     """Owns capture streams for one worker's model (see the spec's CaptureSession)."""
 
-    def __init__(self, graph_state=None, layouts: dict[str, dict[int, dict[str, int]]] | None = None):
+    def __init__(self, graph_state=None, layouts: dict[str, dict[int, dict[str, int]]] | None = None,
+                 rank0_only: tuple[str, ...] = ()):
         self.graph_state = graph_state
+        # Streams another rank captures: enabled here (same requests, same plans) with the
+        # kernels left idle, so this rank copies nothing and fetches return no rows.
+        self._rank0_only = frozenset(rank0_only)
         self._layouts = layouts or {name: {} for name in COMPONENTS}
         self._streams: dict[str, Stream | None] = dict.fromkeys(COMPONENTS)
         self._requests: dict[str, RequestInfo] = {}
@@ -145,7 +149,7 @@ class CaptureSession:
         st = Stream(stream, config, StreamStore(config))
         st.free_slots = list(range(self.graph_state.acc_slots - 1, -1, -1))
         self._streams[stream] = st
-        self.graph_state.set_enabled(stream, config.layers)
+        self.graph_state.set_enabled(stream, set() if stream in self._rank0_only else config.layers)
 
     def disable_stream(self, stream: str) -> None:
         if stream not in self._streams:
