@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL]
-#   SET: dense | moe | tp | bench-quick | bench-full   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | moe | tp | profile | bench-quick | bench-full   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe)
 set -uo pipefail
 SET=${1:-dense}
@@ -44,6 +44,12 @@ case "$SET" in
     compare llama_tp2_graph llama --against tp1=/tmp/llama_graph.pt
     run qwen3_moe_tp2_graph --model qwen3_moe --mode graph --tp 2
     compare qwen3_moe_tp2_graph qwen3_moe --against tp1=/tmp/qwen3_moe_graph.pt
+    ;;
+  profile)
+    # Where a capture step's host time goes (torch.profiler tables), one file back.
+    timeout 300 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile >"$OUT/profile.log" 2>&1; echo "profile rc=$?"
+    grep -E "^(idle|hidden)" "$OUT/profile.log" | cut -c1-700
+    cp "$OUT/profile.log" /tmp/profile/ 2>/dev/null; tar czf "$OUT/profile.tgz" -C /tmp profile && rm -f "$OUT/profile.log"
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi

@@ -264,7 +264,7 @@ _QUICK = (BASELINE, "idle", "hidden-last", "hidden-4l", "eager-hidden-last", "ea
 
 def make_suite(name: str, model: str | None = None) -> Suite:
     if name == "quick":
-        return Suite("quick", model or "1b", (decode(64),), _QUICK, reps=3, budget_s=230.0,
+        return Suite("quick", model or "1b", (decode(64),), _QUICK, reps=5, budget_s=260.0,
                      grace_s=170.0)
     if name == "full":
         # Trimmed to fit 10 minutes of device time: no prefill at 256 (512k prompt tokens a

@@ -141,9 +141,10 @@ def test_engine_deadline_keeps_startups_and_shares_the_rest():
 
 def test_engine_weight_counts_generates():
     suite, shape = S.make_suite("quick"), S.MODELS["1b"]
-    assert S.engine_weight(suite, shape, "vanilla-graph") == 1 * (1 + 3 * 1)
-    assert S.engine_weight(suite, shape, "capture-graph") == 1 * (1 + 3 * 3)
-    assert S.engine_weight(suite, shape, "capture-eager") == 3.0 * (1 + 3 * 2)
+    r = suite.reps
+    assert S.engine_weight(suite, shape, "vanilla-graph") == 1 * (1 + r * 1)
+    assert S.engine_weight(suite, shape, "capture-graph") == 1 * (1 + r * 3)
+    assert S.engine_weight(suite, shape, "capture-eager") == 3.0 * (1 + r * 2)
 
 
 def test_workload_fits():

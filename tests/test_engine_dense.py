@@ -404,6 +404,32 @@ def test_layer_subset_and_dtype(llm):
         assert (t == want).float().mean() > 0.999
 
 
+def test_fetch_through_rpc_bytes_equals_fetch_through_shared_memory(llm, monkeypatch):
+    from vllm_capture.session import shm
+
+    prompts = _prompts(811, [9, 40])
+    start_capture(llm)
+    try:
+        llm.generate([tokens_prompt(p) for p in prompts],
+                     _sampling(max_tokens=3, skip_reading_prefix_cache=True), use_tqdm=False)
+        via_file = []
+        read_reply = shm.read_reply
+        monkeypatch.setattr(shm, "read_reply",
+                            lambda r: via_file.append("shm_path" in r) or read_reply(r))
+        via_shm = fetch_captured(llm, clear=False)
+        assert via_file == [True], "the worker shares this host's /dev/shm: rows come through it"
+        monkeypatch.setattr(shm, "client_probe", lambda: None)
+        via_rpc = fetch_captured(llm, clear=True)
+        assert via_file == [True, False]
+        assert sorted(via_rpc[0]) == sorted(via_shm[0]) == [0, 1, 2, 3]
+        for layer in via_rpc[0]:
+            assert torch.equal(via_rpc[0][layer], via_shm[0][layer])
+            assert via_rpc[1][layer].req_ids == via_shm[1][layer].req_ids
+            assert torch.equal(via_rpc[1][layer].positions, via_shm[1][layer].positions)
+    finally:
+        stop_capture(llm)
+
+
 def test_fetch_by_layer_and_request(llm):
     prompts = _prompts(717, [8, 15, 70])
     max_tokens = 3

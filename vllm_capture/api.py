@@ -13,6 +13,7 @@ import torch
 
 from vllm_capture.engine.config import engine_kwargs
 from vllm_capture.selection import SelectSpec
+from vllm_capture.session import shm
 from vllm_capture.session.components import ATTENTION_HEADS, COMPONENTS, HIDDEN_STATES
 from vllm_capture.session.session import EXTRA_ARGS_KEY
 from vllm_capture.session.wire import CaptureMeta, deserialize_captured, match_capture_request_id
@@ -66,8 +67,13 @@ def capture_status(llm, stream: str = HIDDEN_STATES, all_ranks: bool = False):
 
 def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
                    layers: list[int] | None = None, req_ids: list[str] | None = None):
-    """Fetch and decode: ``(tensors, meta, layouts)`` keyed by layer id (shards joined)."""
-    return join_shards(stream, _rpc(llm, "fetch_captured", stream, clear, layers, req_ids))
+    """Fetch and decode: ``(tensors, meta, layouts)`` keyed by layer id (shards joined).
+
+    Workers on this host hand the rows over through ``/dev/shm`` (``session/shm.py``); others
+    send them in the RPC reply.
+    """
+    replies = _rpc(llm, "fetch_captured", stream, clear, layers, req_ids, shm.client_probe())
+    return join_shards(stream, shm.read_replies(replies))
 
 
 def join_shards(stream: str, replies: list[dict]):

@@ -44,11 +44,19 @@ class Site:
 
 @dataclass
 class RingGroup:
-    """Sites of one component with one width and dtype, sharing one ring tensor."""
+    """Sites of one component with one width and dtype, sharing one ring tensor and one set of
+    accumulators, so a step's rows (or a batch of finished reductions) of every layer leave the
+    device in one gather and one copy."""
 
     sites: list[Site]
     ring: torch.Tensor  # [sites, slots, capacity, width]
     labels: torch.Tensor  # int32 [sites, slots, capacity, 3]
+    acc: torch.Tensor | None = None  # fp32 [sites, acc_slots, width]
+    acc_labels: torch.Tensor | None = None  # int32 [sites, acc_slots, 3]
+    acc_count: torch.Tensor | None = None  # int32 [sites, acc_slots]
+    # Positions in ``sites`` of the enabled ones, on the host and on the device (set_enabled).
+    enabled: list[int] = field(default_factory=list)
+    enabled_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -141,16 +149,20 @@ class CaptureGraphState:
                 group.ring = group.ring.view(len(members), self.ring_slots, self.capacity, width)
                 group.labels = group.labels.view(len(members), self.ring_slots, self.capacity,
                                                  L.LABEL_FIELDS)
+                acc, acc_labels, acc_count = L.new_acc_buffers(
+                    len(members) * self.acc_slots, width, self.device)
+                group.acc = acc.view(len(members), self.acc_slots, width)
+                group.acc_labels = acc_labels.view(len(members), self.acc_slots, L.LABEL_FIELDS)
+                group.acc_count = acc_count.view(len(members), self.acc_slots)
                 for i, site in enumerate(members):
                     site.ring, site.ring_labels = group.ring[i], group.labels[i]
+                    site.acc, site.acc_labels = group.acc[i], group.acc_labels[i]
+                    site.acc_count = group.acc_count[i]
                 self.groups.setdefault(component, []).append(group)
-                nbytes += group.ring.numel() * group.ring.element_size()
-                nbytes += group.labels.numel() * group.labels.element_size()
-        for site in self.sites.values():
-            site.acc, site.acc_labels, site.acc_count = L.new_acc_buffers(
-                self.acc_slots, site.width, self.device)
-            nbytes += sum(t.numel() * t.element_size() for t in (
-                site.acc, site.acc_labels, site.acc_count, site.counter))
+                nbytes += sum(t.numel() * t.element_size() for t in (
+                    group.ring, group.labels, group.acc, group.acc_labels, group.acc_count))
+        nbytes += sum(site.counter.numel() * site.counter.element_size()
+                      for site in self.sites.values())
         self.allocation_bytes = nbytes
         if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device=self.device)
@@ -183,6 +195,9 @@ class CaptureGraphState:
         for site in self.sites_of(component):
             site.enabled = layers is None or site.layer_id in layers
             site.counter[L.SITE_ENABLED] = int(site.enabled)
+        for group in self.groups.get(component, ()):
+            group.enabled = [i for i, site in enumerate(group.sites) if site.enabled]
+            group.enabled_index = torch.tensor(group.enabled, dtype=torch.long, device=self.device)
 
     # ---- per step ------------------------------------------------------------------------------
 
@@ -257,9 +272,7 @@ class CaptureGraphState:
             if buf.mode != L.MODE_ROWS or buf.count == 0:
                 continue
             n, slot = buf.count, buf.slot
-            groups = [(g, [i for i, s in enumerate(g.sites) if s.enabled])
-                      for g in self.groups.get(component, ())]
-            groups = [(g, idx) for g, idx in groups if idx]
+            groups = [g for g in self.groups.get(component, ()) if g.enabled]
             if not groups:
                 continue
             cuda = self.device.type == "cuda"
@@ -272,15 +285,14 @@ class CaptureGraphState:
             names: dict[int, str] = {}
             labels = None
             with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
-                for group, idx in groups:
-                    sites = [group.sites[i] for i in idx]
+                for group in groups:
                     # [enabled sites, n, width]: only the planned rows of enabled layers.
-                    rows = group.ring[:, slot, :n].index_select(0, self._device_index(idx))
+                    rows = group.ring[:, slot, :n].index_select(0, group.enabled_index)
                     if labels is None:
-                        labels = group.labels[idx[0], slot, :n]
-                        labels = _to_host(labels, cuda)
+                        labels = _to_host(group.labels[group.enabled[0], slot, :n], cuda)
                     rows = _to_host(rows, cuda)
-                    for k, site in enumerate(sites):
+                    for k, i in enumerate(group.enabled):
+                        site = group.sites[i]
                         layers[site.layer_id] = (rows[k], labels)
                         names[site.layer_id] = site.layer_name
                 if cuda:
@@ -304,38 +316,48 @@ class CaptureGraphState:
         if not slots:
             return
         idx = self._device_index(slots)
-        for s in self.sites_of(component):
-            s.acc.index_fill_(0, idx, 0.0)
-            s.acc_count.index_fill_(0, idx, 0)
-            s.acc_labels.index_fill_(0, idx, 0)
+        for group in self.groups.get(component, ()):
+            group.acc.index_fill_(1, idx, 0.0)
+            group.acc_count.index_fill_(1, idx, 0)
+            group.acc_labels.index_fill_(1, idx, 0)
 
     def read_acc_slots(self, component: str, slots: list[int]) -> DrainedRows:
         """Enqueue copies of the accumulators of ``slots`` to host memory, without waiting.
 
         ``layers`` maps layer -> (acc fp32 [n, W], labels int32 [n, 3], counts int32 [n]). The
-        gather runs on the main stream, ahead of any later reset or reuse of those slots.
+        gather (one per ring group, every enabled layer at once) runs on the main stream, ahead
+        of any later reset or reuse of those slots.
         """
         idx = self._device_index(slots)
-        sites = [s for s in self.sites_of(component) if s.enabled]
-        picked = {s.layer_id: (s.acc.index_select(0, idx), s.acc_labels.index_select(0, idx),
-                               s.acc_count.index_select(0, idx)) for s in sites}
-        names = {s.layer_id: s.layer_name for s in sites}
-        if self.device.type != "cuda":
-            return DrainedRows(component, len(slots), picked, names)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        layers = {}
-        with torch.cuda.stream(self._copy_stream):
+        cuda = self.device.type == "cuda"
+        gathered = []
+        for group in self.groups.get(component, ()):
+            if not group.enabled:
+                continue
+            picked = (group.acc.index_select(0, group.enabled_index).index_select(1, idx),
+                      group.acc_labels[group.enabled[0]].index_select(0, idx),
+                      group.acc_count.index_select(0, group.enabled_index).index_select(1, idx))
+            gathered.append((group, picked))
+        event = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
             self._copy_stream.wait_event(done)
-            for layer_id, tensors in picked.items():
-                host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
-                for h, t in zip(host, tensors):
-                    h.copy_(t, non_blocking=True)
-                    # The gathered temporaries must outlive the copy that reads them.
-                    t.record_stream(self._copy_stream)
-                layers[layer_id] = host
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
+        layers, names = {}, {}
+        with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
+            for group, picked in gathered:
+                if cuda:
+                    # The gathered temporaries must outlive the copies that read them.
+                    for t in picked:
+                        t.record_stream(self._copy_stream)
+                acc, labels, counts = (_to_host(t, cuda) for t in picked)
+                for k, i in enumerate(group.enabled):
+                    site = group.sites[i]
+                    layers[site.layer_id] = (acc[k], labels, counts[k])
+                    names[site.layer_id] = site.layer_name
+            if cuda:
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
         return DrainedRows(component, len(slots), layers, names, event)
 
 

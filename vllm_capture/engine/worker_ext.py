@@ -25,6 +25,7 @@ from vllm_capture.engine.instrument import find_targets, instrument
 from vllm_capture.engine.runners import wrap_runner
 from vllm_capture.kernels.ops import register_op, set_site_handler
 from vllm_capture.session.components import COMPONENTS, REPLICATED_COMPONENTS
+from vllm_capture.session import shm
 from vllm_capture.session.session import CaptureSession
 
 logger = logging.getLogger("vllm_capture")
@@ -179,11 +180,13 @@ class CaptureWorkerExtension:
 
     @_tagged_errors
     def fetch_captured(self, stream: str, clear: bool = True, layers: list | None = None,
-                       req_ids: list | None = None) -> dict:
+                       req_ids: list | None = None, shm_probe: dict | None = None) -> dict:
         session = self._capture_session()
         with torch.inference_mode():
             data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids)
-        return {**self._capture_rank(), "layers": {str(k): v for k, v in data.items()}}
+        reply = {**self._capture_rank(), "layers": {str(k): v for k, v in data.items()}}
+        # Rows go through shared memory only when this worker can read the client's probe file.
+        return shm.write_reply(reply) if shm.worker_sees(shm_probe) else reply
 
     @_tagged_errors
     def clear_captured(self, stream: str) -> dict:

@@ -15,6 +15,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -105,6 +106,9 @@ class CaptureSession:
         self._unsupported_requests: dict[str, str] = {}
         self._step_executions_baseline: int | None = None
         self._eager_forwards = 0
+        # Host time the step path spends in capture code (begin/end of a step, finished requests).
+        self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0}
+        self._host_steps = 0
         self._queue: queue.Queue = queue.Queue()
         self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
                                            daemon=True)
@@ -198,6 +202,8 @@ class CaptureSession:
             "graph_allocation_bytes": 0 if gs is None else int(gs.allocation_bytes),
             "graph_replays": self.graph_replays(),
             "eager_capture_forwards": self.eager_capture_forwards(),
+            "host_timers": {"steps": self._host_steps,
+                            **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()}},
         }
         st = self._streams[stream]
         hooked = len(self.hooked_layers(stream))
@@ -267,10 +273,18 @@ class CaptureSession:
         self._requests[req_id] = info
 
     def finish_requests(self, req_ids) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._finish_requests(list(req_ids))
+        finally:
+            self._host_s["finish_requests"] += time.perf_counter() - t0
+
+    def _finish_requests(self, req_ids: list[str]) -> None:
+        for st in self._active_streams():
+            # One device gather for every request that finishes in this step.
+            self._finalize(st, req_ids)
         for req_id in req_ids:
             for st in self._active_streams():
-                if req_id in st.slots:
-                    self._finalize(st, [req_id])
                 if req_id in st.tracks or req_id in st.closed:
                     st.tracks.pop(req_id, None)
                     st.closed.discard(req_id)
@@ -291,6 +305,14 @@ class CaptureSession:
     # ---- per step -------------------------------------------------------------------------------
 
     def begin_step(self, geometry: BatchGeometry) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._begin_step(geometry)
+        finally:
+            self._host_s["begin_step"] += time.perf_counter() - t0
+            self._host_steps += 1
+
+    def _begin_step(self, geometry: BatchGeometry) -> None:
         gs = self.graph_state
         if self._step_executions_baseline is None:
             site = self._reference_site()
@@ -319,6 +341,13 @@ class CaptureSession:
         gs.step_active = True
 
     def end_step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._end_step()
+        finally:
+            self._host_s["end_step"] += time.perf_counter() - t0
+
+    def _end_step(self) -> None:
         gs = self.graph_state
         gs.step_active = False
         if gs.step_eager_launches:
@@ -383,7 +412,7 @@ class CaptureSession:
 
     def _finalize(self, st: Stream, req_ids: list[str]) -> None:
         """Turn the accumulators of ``req_ids`` into one stored row each (last/mean)."""
-        req_ids = [r for r in req_ids if r in st.slots]
+        req_ids = list(dict.fromkeys(r for r in req_ids if r in st.slots))
         if not req_ids:
             return
         slots = [st.slots[r] for r in req_ids]

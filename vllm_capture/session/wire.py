@@ -36,7 +36,7 @@ _RAW_DTYPES = {
 _LABEL = np.dtype("<i4")
 _LABEL_COLUMNS = ("req_idx", "positions", "token_ids")
 _HEX = frozenset("0123456789abcdef")
-_BYTES = (bytes, bytearray)
+_BYTES = (bytes, bytearray, memoryview)
 # Decimal digits in a string layer key; longer keys are not layer ids.
 _MAX_LAYER_KEY_DIGITS = 9
 # Row labels are int32, so no honest dimension reaches 2**31; the bound also

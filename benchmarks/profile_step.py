@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Where a capture step's time goes, on the GPU host: one in-process engine, torch.profiler.
+
+    python3 benchmarks/profile_step.py --model 1b --out /tmp/out
+
+Runs the quick suite's decode workload (64 prompts x 32 tokens, 256 new tokens) on one capture
+engine (CUDA graphs), in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees
+the scheduler, the worker and our hooks together. For each scenario (capture idle, last-token
+hidden states of all layers, all positions of 4 layers) it times plain generates, then profiles
+one and writes the CPU-side operator table (host syncs, pinned allocations, copies, kernel
+launches) to ``OUT/profile_<scenario>.txt``; the summary compares the scenarios by call counts
+and host time per decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import scenarios as S  # noqa: E402
+from benchmarks.run import Prompts, prepare_model  # noqa: E402
+
+WATCH = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaHostAlloc",
+         "cudaMemcpyAsync", "cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "aten::copy_",
+         "aten::pin_memory", "aten::item", "aten::_local_scalar_dense")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--reps", type=int, default=2)
+    args = p.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import vllm_capture as vc
+    from vllm_capture import api
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = S.MODELS[args.model]
+    suite = S.make_suite("quick", args.model)
+    w = suite.workloads[0]
+    model_dir = prepare_model(shape, Path(tempfile.mkdtemp(prefix="vllm-capture-profile-")))
+    llm = vc.LLM(str(model_dir), **S.engine_kwargs(suite, shape, "capture-graph"))
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=w.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    prompts = Prompts(shape.vocab)
+    llm.generate(prompts.make(w), params, use_tqdm=False)
+    scenarios = {"idle": None, "hidden-last": S.SCENARIOS["hidden-last"].capture,
+                 "hidden-4l": S.SCENARIOS["hidden-4l"].capture}
+    summary = {}
+    for name, cap in scenarios.items():
+        def generate():
+            if cap is not None:
+                api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
+            t = time.perf_counter()
+            llm.generate(prompts.make(w), params, use_tqdm=False)
+            gen_s = time.perf_counter() - t
+            status = api.capture_status(llm, S.HIDDEN)
+            if cap is not None:
+                api.fetch_captured(llm, cap.stream, clear=True)
+                api.stop_capture(llm, cap.stream)
+            return gen_s, status
+
+        times = [generate()[0] for _ in range(args.reps)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            prof_s, status = generate()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+        (out / f"profile_{name}.txt").write_text(table)
+        watched = {}
+        for e in prof.key_averages():
+            if e.key in WATCH or e.key.startswith("vllm_capture"):
+                watched[e.key] = {"calls": e.count, "cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+        summary[name] = {"gen_s": times, "tok_s": [w.generated_tokens / t for t in times],
+                         "profiled_gen_s": prof_s, "watched": watched,
+                         "host_timers": status.get("host_timers")}
+        print(name, json.dumps(summary[name])[:1500], flush=True)
+    (out / "profile_summary.json").write_text(json.dumps(summary, indent=1))
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
