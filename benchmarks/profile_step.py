@@ -42,7 +42,6 @@ def main() -> int:
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     import vllm_capture as vc
@@ -65,16 +64,19 @@ def main() -> int:
     summary = {}
     for name, cap in scenarios.items():
         def generate():
+            before = api.capture_status(llm, S.HIDDEN)["host_timers"]
             if cap is not None:
                 api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
             t = time.perf_counter()
             llm.generate(prompts.make(w), params, use_tqdm=False)
             gen_s = time.perf_counter() - t
-            status = api.capture_status(llm, S.HIDDEN)
+            after = api.capture_status(llm, S.HIDDEN)["host_timers"]
+            t = time.perf_counter()
             if cap is not None:
                 api.fetch_captured(llm, cap.stream, clear=True)
                 api.stop_capture(llm, cap.stream)
-            return gen_s, status
+            timers = {k: round(after[k] - before[k], 3) for k in after}
+            return gen_s, {"host_timers_this_generate": timers, "fetch_s": time.perf_counter() - t}
 
         times = [generate()[0] for _ in range(args.reps)]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -87,10 +89,9 @@ def main() -> int:
                 watched[e.key] = {"calls": e.count, "cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
         summary[name] = {"gen_s": times, "tok_s": [w.generated_tokens / t for t in times],
                          "profiled_gen_s": prof_s, "watched": watched,
-                         "host_timers": status.get("host_timers")}
+                         **status}
         print(name, json.dumps(summary[name])[:1500], flush=True)
     (out / "profile_summary.json").write_text(json.dumps(summary, indent=1))
-    torch.cuda.synchronize()
     return 0
 
 

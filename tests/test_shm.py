@@ -13,12 +13,13 @@ from vllm_capture.session.wire import deserialize_captured, serialize_capture_la
 pytestmark = pytest.mark.skipif(not os.access(shm.SHM_DIR, os.W_OK), reason="no writable /dev/shm")
 
 
-def _reply(rows_per_layer=(3, 0, 5), width=4):
+def _reply(rows_per_layer=(3, 0, 5), width=4, raw_data=True):
     layers = {}
     for layer, rows in enumerate(rows_per_layer):
         t = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width).to(torch.bfloat16) + layer
         meta = torch.tensor([[0, p, 10 + p] for p in range(rows)], dtype=torch.int32).reshape(rows, 3)
-        layers[str(layer)] = serialize_capture_layer(t, meta, {0: "req-0"}, f"model.layers.{layer}")
+        layers[str(layer)] = serialize_capture_layer(t, meta, {0: "req-0"}, f"model.layers.{layer}",
+                                                     raw_data=raw_data)
     return {"tp_rank": 0, "tp_size": 1, "layers": layers}
 
 
@@ -28,7 +29,7 @@ def _shm_files() -> set[str]:
 
 def test_rows_round_trip_through_shared_memory_and_the_file_is_removed():
     before = _shm_files()
-    want = deserialize_captured(_reply()["layers"])
+    want = deserialize_captured(_reply(raw_data=False)["layers"])
     reply = shm.write_reply(_reply())
     assert "shm_path" in reply and all("data" not in v for v in reply["layers"].values())
     assert os.path.exists(reply["shm_path"])
@@ -48,9 +49,14 @@ def test_the_worker_uses_shared_memory_only_when_it_reads_the_clients_probe(tmp_
     assert not shm.worker_sees(None) and not shm.worker_sees("probe")
 
 
-def test_a_reply_without_rows_keeps_the_bytes_path():
-    reply = shm.write_reply(_reply(rows_per_layer=(0, 0)))
-    assert "shm_path" not in reply
+def test_a_reply_without_rows_or_without_a_shared_dev_shm_carries_bytes():
+    want = deserialize_captured(_reply(raw_data=False)["layers"])
+    for reply in (shm.write_reply(_reply(rows_per_layer=(0, 0))),
+                  shm.write_reply(_reply(), shared=False)):
+        assert "shm_path" not in reply
+        assert all(type(v["data"]) is bytes for v in reply["layers"].values())
+    got = deserialize_captured(reply["layers"])
+    assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])
 
 
 def test_a_reply_naming_a_foreign_file_or_a_bad_span_is_refused(tmp_path):

@@ -183,10 +183,11 @@ class CaptureWorkerExtension:
                        req_ids: list | None = None, shm_probe: dict | None = None) -> dict:
         session = self._capture_session()
         with torch.inference_mode():
-            data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids)
+            data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids,
+                                        raw_data=True)
         reply = {**self._capture_rank(), "layers": {str(k): v for k, v in data.items()}}
         # Rows go through shared memory only when this worker can read the client's probe file.
-        return shm.write_reply(reply) if shm.worker_sees(shm_probe) else reply
+        return shm.write_reply(reply, shared=shm.worker_sees(shm_probe))
 
     @_tagged_errors
     def clear_captured(self, stream: str) -> dict:

@@ -107,7 +107,8 @@ class CaptureSession:
         self._step_executions_baseline: int | None = None
         self._eager_forwards = 0
         # Host time the step path spends in capture code (begin/end of a step, finished requests).
-        self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0}
+        # "harvest" is the harvest thread's (off the step path, but it shares the GIL).
+        self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0}
         self._host_steps = 0
         self._queue: queue.Queue = queue.Queue()
         self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
@@ -164,7 +165,8 @@ class CaptureSession:
             self._streams[stream] = None
 
     def fetch_stream(self, stream: str, clear: bool = True, layers: list[int] | None = None,
-                     req_ids: list[str] | None = None) -> dict[int, dict[str, Any]]:
+                     req_ids: list[str] | None = None, raw_data: bool = False
+                     ) -> dict[int, dict[str, Any]]:
         st = self._streams.get(stream)
         if st is None:
             if stream not in self._streams:
@@ -178,7 +180,8 @@ class CaptureSession:
         self._wait_harvest()
         # Serialize and remove under one store lock: rows the harvest thread appends meanwhile
         # stay for the next fetch instead of being cleared unseen.
-        result = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear)
+        result = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear,
+                                    raw_data=raw_data)
         for layer, info in result.items():
             layout = self._layouts.get(stream, {}).get(layer)
             if layout:
@@ -442,6 +445,7 @@ class CaptureSession:
     def _harvest_loop(self) -> None:
         while True:
             item = self._queue.get()
+            t0 = time.perf_counter()
             try:
                 if isinstance(item, _Drained):
                     self._store_drained(item)
@@ -453,6 +457,7 @@ class CaptureSession:
                 logger.exception("vllm-capture harvest failed")
                 self._harvest_error = exc
             finally:
+                self._host_s["harvest"] += time.perf_counter() - t0
                 self._queue.task_done()
 
     @staticmethod

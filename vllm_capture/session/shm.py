@@ -14,6 +14,7 @@ Payload contract: a layer entry's ``"data"`` is replaced by ``"shm_offset"`` and
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import secrets
 import tempfile
@@ -58,39 +59,53 @@ def worker_sees(probe: Any) -> bool:
         return False
 
 
-def write_reply(reply: dict[str, Any]) -> dict[str, Any]:
-    """Move the layers' row bytes into one shared-memory file (in place); keep bytes on failure."""
+def write_reply(reply: dict[str, Any], shared: bool = True) -> dict[str, Any]:
+    """Make a fetch reply msgpack-safe, in place: the layers' rows (numpy arrays from
+    ``serialize_capture_layer(raw_data=True)``, or bytes) go into one shared-memory file when
+    ``shared`` and there is room, into bytes otherwise."""
     layers = reply.get("layers") or {}
-    total = sum(len(info["data"]) for info in layers.values())
-    if total == 0:
+    total = sum(_nbytes(info["data"]) for info in layers.values())
+    path = _write_file([info["data"] for info in layers.values()], total) if shared and total else None
+    if path is None:
+        for info in layers.values():
+            if not isinstance(info["data"], bytes):
+                info["data"] = memoryview(info["data"]).tobytes()
         return reply
-    try:
-        st = os.statvfs(SHM_DIR)
-        if st.f_bavail * st.f_frsize < FREE_SPACE_FACTOR * total:
-            return reply
-        fd, path = tempfile.mkstemp(prefix=PREFIX + "rows-", dir=SHM_DIR)
-    except OSError:
-        return reply
-    offsets = {}
-    try:
-        with os.fdopen(fd, "wb") as f:
-            offset = 0
-            for key, info in layers.items():
-                f.write(info["data"])
-                offsets[key] = offset
-                offset += len(info["data"])
-    except OSError:
-        _remove(path)
-        return reply
-    for key, info in layers.items():
-        info["shm_nbytes"] = len(info.pop("data"))
-        info["shm_offset"] = offsets[key]
+    offset = 0
+    for info in layers.values():
+        info["shm_nbytes"] = _nbytes(info.pop("data"))
+        info["shm_offset"] = offset
+        offset += info["shm_nbytes"]
     reply["shm_path"] = path
     return reply
 
 
+def _write_file(blocks: list, total: int) -> str | None:
+    try:
+        st = os.statvfs(SHM_DIR)
+        if st.f_bavail * st.f_frsize < FREE_SPACE_FACTOR * total:
+            return None
+        fd, path = tempfile.mkstemp(prefix=PREFIX + "rows-", dir=SHM_DIR)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for block in blocks:
+                if _nbytes(block):
+                    f.write(memoryview(block).cast("B"))
+    except OSError:
+        _remove(path)
+        return None
+    return path
+
+
+def _nbytes(block) -> int:
+    return memoryview(block).nbytes
+
+
 def read_reply(reply: dict[str, Any]) -> dict[str, Any]:
-    """Put the row bytes of a shared-memory reply back into its layer entries; delete the file."""
+    """Put the row bytes of a shared-memory reply back into its layer entries (views of the
+    file, mapped once; the decoder copies them out) and delete the file."""
     path = reply.pop("shm_path", None)
     if path is None:
         return reply
@@ -99,7 +114,9 @@ def read_reply(reply: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"capture reply names an unexpected shared-memory file {path!r}")
     try:
         with open(path, "rb") as f:
-            data = memoryview(f.read())
+            size = os.fstat(f.fileno()).st_size
+            # The mapping outlives the unlink below; it goes when the last view is dropped.
+            data = memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)) if size else memoryview(b"")
     finally:
         _remove(path)
     for key, info in (reply.get("layers") or {}).items():

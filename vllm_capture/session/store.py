@@ -723,8 +723,10 @@ class StreamStore:
         layers: list[int] | None = None,
         req_ids: list[str] | None = None,
         clear_selected: bool = False,
+        raw_data: bool = False,
     ) -> dict[int, dict[str, Any]]:
-        """Pack the selected rows as ``{layer_id: wire dict}``.
+        """Pack the selected rows as ``{layer_id: wire dict}`` (``raw_data``: see
+        ``serialize_capture_layer``).
 
         ``layers`` serializes a subset so clients can fetch layer by layer;
         ``req_ids`` (client-visible ids, or full engine ids) restricts the
@@ -758,6 +760,7 @@ class StreamStore:
                     *self._gather(layer_id, spans),
                     self.req_table,
                     self.layer_names[layer_id],
+                    raw_data=raw_data,
                 )
                 emitted.append((layer_id, spans))
             if clear_selected:

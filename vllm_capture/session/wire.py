@@ -93,8 +93,13 @@ def serialize_capture_layer(
     meta: torch.Tensor,
     req_table: Mapping[int, str] | list[str],
     layer_name: str,
+    raw_data: bool = False,
 ) -> dict[str, Any]:
     """Pack one layer's rows and labels into the wire dict.
+
+    With ``raw_data`` the ``"data"`` entry is the rows' contiguous numpy array instead of bytes,
+    for a caller that writes it somewhere itself (``session/shm.py``) and saves a copy; it must
+    become bytes before the dict goes on the wire.
 
     ``meta`` is int32 ``[rows, 3]`` (req_idx, position, token_id) where
     req_idx indexes ``req_table``. The emitted table holds only the requests
@@ -120,7 +125,9 @@ def serialize_capture_layer(
     host = tensor.detach().cpu().contiguous()
     if host.dtype == torch.bfloat16:
         host = host.view(torch.int16)
-    data = host.numpy().astype(_RAW_DTYPES[tensor.dtype], copy=False).tobytes()
+    data = np.ascontiguousarray(host.numpy().astype(_RAW_DTYPES[tensor.dtype], copy=False))
+    if not raw_data:
+        data = data.tobytes()
     labels = meta.detach().cpu().numpy()
     table, req_idx = _compact_requests(labels[:, 0], req_table)
     return {
