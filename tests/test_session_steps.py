@@ -17,6 +17,7 @@ one missing its residual) is detected.
 
 from __future__ import annotations
 
+import json
 import random
 import types
 import warnings
@@ -1098,6 +1099,42 @@ def test_per_request_selections_override_the_stream_selection():
     ah = refs[AH].expected_rows(rids)
     assert {(rids[1], 3), (rids[1], 4), (rids[2], 0)} <= ah and (rids[1], 0) not in ah
     check_rows(refs[AH], decode_rows(*engine.fetch(AH)), ah)
+
+
+@dataclass(eq=False)
+class ServerReq(Req):
+    """A request that came through vLLM's OpenAI-compatible server: the selection is a JSON
+    string in ``vllm_xargs`` (which carries only scalars), turned into SamplingParams by vLLM's
+    own request model."""
+
+    def sampling_params(self):
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        xargs = None if self.capture is None else {"capture": json.dumps(self.capture)}
+        request = CompletionRequest(model="m", prompt="p", max_tokens=len(self.gen) + 1,
+                                    vllm_xargs=xargs)
+        return request.to_sampling_params(max_tokens=len(self.gen) + 1)
+
+
+def test_selections_through_the_openai_servers_vllm_xargs():
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    reqs = [
+        ServerReq(num=0, prompt=[1, 2, 3], gen=[1, 1]),  # no selection: the stream's (all rows)
+        ServerReq(num=1, prompt=[1, 2, 3], gen=[1, 1], capture=SelectSpec.last_prompt_token().to_wire()),
+        ServerReq(num=2, prompt=[4, 2, 3, 4], gen=[0], capture={HS: {"prompt_tokens": [4]}}),
+    ]
+    assert isinstance(reqs[1].sampling_params().extra_args["capture"], str)
+    engine.step([(r, 3) for r in reqs])
+    while not all(r.done for r in reqs):
+        engine.step([(r, min(2, r.known - r.computed)) for r in reqs if not r.done])
+    rids = [r.rid for r in reqs]
+    want = ref.expected_rows(rids)
+    assert {(rids[1], 2), (rids[2], 0), (rids[2], 3)} <= want
+    assert (rids[1], 0) not in want and (rids[2], 1) not in want
+    check_rows(ref, decode_rows(*engine.fetch(HS)), want)
 
 
 def test_unsupported_requests_fail_with_a_reason():

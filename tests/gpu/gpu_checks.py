@@ -14,10 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tests.engine_support
 
 PROMPT_WORDS = ("the quick brown fox jumps over the lazy dog a capture of hidden states from every "
                 "layer of the model attention heads write their outputs before the output "
@@ -174,6 +179,37 @@ def compare(args) -> None:
     print(json.dumps(report, indent=1, default=str))
 
 
+def dtype_drift(args) -> None:
+    """Hugging Face alone, bfloat16 against float32, on the prompts ``run`` uses: how far the
+    dtype by itself moves each component, per layer. No vLLM and no capture code: a bound on what
+    the engine-vs-HF fidelity check can show (MoE routing flips between near-tied experts
+    amplify bf16 rounding in the layers after the flip)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.engine_support import HFReference
+    from vllm_capture.tiny_models import build
+
+    path = build(args.model, Path(args.models) / args.model)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ref32 = HFReference(path)
+    ref16 = HFReference(path)
+    ref16.model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.bfloat16,
+                                                       attn_implementation="eager").eval()
+    ref16.layers = list(ref16.model.model.layers)
+    worst: dict = {}
+    for prompt in make_prompts(args.prompts):
+        ids = tok(prompt)["input_ids"]
+        a, b = ref32.run(ids), ref16.run(ids)
+        for comp, layers in a.items():
+            for layer, want in layers.items():
+                err = float((b[comp][layer].float() - want).abs().max())
+                key = f"{comp}/{layer}"
+                worst[key] = max(worst.get(key, 0.0), err)
+    report = {"model": args.model, "prompts": args.prompts, "max_abs_bf16_vs_fp32": worst}
+    Path(args.report).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -197,8 +233,13 @@ def main() -> None:
                    help="another run of the same prompts to compare rows with (repeatable)")
     c.add_argument("--model-dir", required=True)
     c.add_argument("--report", required=True)
+    d = sub.add_parser("dtype-drift", help="HF bf16 vs HF fp32, per layer (CPU is enough)")
+    d.add_argument("--model", default="qwen3_moe")
+    d.add_argument("--models", default="/tmp/tiny")
+    d.add_argument("--prompts", type=int, default=48)
+    d.add_argument("--report", required=True)
     args = p.parse_args()
-    run(args) if args.cmd == "run" else compare(args)
+    {"run": run, "compare": compare, "dtype-drift": dtype_drift}[args.cmd](args)
 
 
 if __name__ == "__main__":

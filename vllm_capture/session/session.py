@@ -58,7 +58,10 @@ class Stream:
     tracks: dict[str, RequestTrack] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
     slots: dict[str, int] = field(default_factory=dict)  # req_id -> accumulator slot
-    last_position: dict[str, int] = field(default_factory=dict)  # req_id -> last row's position
+    # Per accumulator slot: its request's label index, and the position of the last row reduced
+    # into it (-1: none yet). Arrays, so a step's segments update them without a Python loop.
+    slot_req_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    slot_last_position: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Requests this stream will not track again: failed, or reduced and finalized by a fetch.
     closed: set[str] = field(default_factory=set)
 
@@ -153,6 +156,8 @@ class CaptureSession:
         self.disable_stream(stream)
         st = Stream(stream, config, StreamStore(config))
         st.free_slots = list(range(self.graph_state.acc_slots - 1, -1, -1))
+        st.slot_req_index = np.zeros(self.graph_state.acc_slots, dtype=np.int32)
+        st.slot_last_position = np.full(self.graph_state.acc_slots, -1, dtype=np.int64)
         self._streams[stream] = st
         self.graph_state.set_enabled(stream, set() if stream in self._rank0_only else config.layers)
 
@@ -333,13 +338,9 @@ class CaptureSession:
                     plan.condition if plan.conditions else None, plan.conditions)
             else:
                 seg = plan_segments(geometry, st.tracks, st.slots)
-                owners = {slot: rid for rid, slot in st.slots.items()}
-                req_index = np.array([st.tracks[owners[int(s)]].req_index for s in seg.slot],
-                                     dtype=np.int32)
-                for s, pos in zip(seg.slot.tolist(), seg.last_position.tolist()):
-                    st.last_position[owners[s]] = pos
+                st.slot_last_position[seg.slot] = seg.last_position
                 gs.upload_segments(st.component, st.reduce_mode, seg.row_start, seg.row_count,
-                                   seg.slot, req_index)
+                                   seg.slot, st.slot_req_index[seg.slot])
         gs.step_eager_launches = 0
         gs.step_active = True
 
@@ -365,6 +366,7 @@ class CaptureSession:
 
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
+        new_slots: list[int] = []
         for i, req_id in enumerate(geometry.req_ids):
             if req_id in st.tracks or req_id in st.closed:
                 continue
@@ -399,11 +401,15 @@ class CaptureSession:
                     continue
                 slot = st.free_slots.pop()
                 st.slots[req_id] = slot
-                self.graph_state.reset_acc_slots(st.component, [slot])
+                st.slot_req_index[slot] = track.req_index
+                st.slot_last_position[slot] = -1
+                new_slots.append(slot)
             first_position = int(geometry.num_computed[i])
             if first_position > 0 and self._selects_missing(st, track, first_position):
                 st.store.mark_elided(req_id)
             st.tracks[req_id] = track
+        # One device fill for every slot handed out this step (the step's forward follows it).
+        self.graph_state.reset_acc_slots(st.component, new_slots)
 
     def _selects_missing(self, st: Stream, track: RequestTrack, first_position: int) -> bool:
         """Whether rows before ``first_position`` (never computed here) were wanted."""
@@ -420,14 +426,13 @@ class CaptureSession:
             return
         slots = [st.slots[r] for r in req_ids]
         drained = self.graph_state.read_acc_slots(st.component, slots)
-        positions = [st.last_position.get(r, -1) if st.config.reduce == "last" else -1
-                     for r in req_ids]
+        positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
+                     else [-1] * len(slots))
         dtypes = {s.layer_id: s.dtype for s in self.graph_state.sites_of(st.component)}
         self._queue.put(_Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
                                  drained, dtypes))
         for r, slot in zip(req_ids, slots):
             del st.slots[r]
-            st.last_position.pop(r, None)
             st.free_slots.append(slot)
             # A request finalized while still running (by a fetch) is not reduced again: its
             # later rows would otherwise start a second, partial reduction.
@@ -473,11 +478,14 @@ class CaptureSession:
                 mine = item.condition == c
                 keep[mine] = condition.accepts_array(tokens[mine])
             keep = torch.from_numpy(keep)
-        for layer_id, (tensor, labels) in rows.layers.items():
-            if keep is not None:
-                tensor, labels = tensor[keep], labels[keep]
-            # append copies into memory the store owns, so pinned staging is released here.
-            item.stream.store.append(layer_id, tensor, labels, rows.layer_names[layer_id])
+        # Every layer of a drain carries the same rows and one labels tensor.
+        labels = next(iter(rows.layers.values()))[1]
+        tensors = {layer_id: tensor for layer_id, (tensor, _) in rows.layers.items()}
+        if keep is not None:
+            labels = labels[keep]
+            tensors = {layer_id: tensor[keep] for layer_id, tensor in tensors.items()}
+        # The store copies into memory it owns, so pinned staging is released here.
+        item.stream.store.append_layers(tensors, labels, rows.layer_names)
 
     @staticmethod
     def _store_reduced(item: _Reduced) -> None:

@@ -302,68 +302,85 @@ class StreamStore:
         meta: torch.Tensor,
         layer_name: str,
     ) -> None:
-        """Store one layer's drained host rows as one chunk.
+        """Store one layer's drained host rows as one chunk (see ``append_layers``)."""
+        self.append_layers({layer_id: tensor}, meta, {layer_id: layer_name})
 
-        ``meta`` is int32 ``[rows, 3]`` (req_idx, position, token_id) with
-        req_idx from ``request_index``. The store copies what it keeps (once,
-        grouped by request), so the caller may reuse its (pinned) buffers as
-        soon as this returns. Rows of failed or cache-elided requests are
-        discarded; rows past the layer's budget are dropped (the first rows
-        in row order are kept) and counted in ``tokens_dropped``.
+    def append_layers(
+        self,
+        rows: dict[int, torch.Tensor],
+        meta: torch.Tensor,
+        layer_names: dict[int, str],
+    ) -> None:
+        """Store drained host rows of one engine step: one chunk per layer, one set of labels.
+
+        Every layer's tensor holds the same rows (the step's plan), labelled by ``meta``, int32
+        ``[rows, 3]`` (req_idx, position, token_id) with req_idx from ``request_index``. Checking
+        the labels and grouping the rows by request happen once for all layers; only the row copy
+        is per layer. The store copies what it keeps (once, grouped by request), so the caller
+        may reuse its (pinned) buffers as soon as this returns. Rows of failed or cache-elided
+        requests are discarded; rows past a layer's budget are dropped (the first rows in row
+        order are kept) and counted in ``tokens_dropped``.
         """
         with self.lock:
-            self._check_rows(layer_id, tensor, meta, layer_name)
-            if tensor.shape[0] == 0:
+            for layer_id, tensor in rows.items():
+                self._check_rows(layer_id, tensor, meta, layer_names.get(layer_id))
+            if not rows or meta.shape[0] == 0:
                 return
-            tensor = tensor.detach()
             labels = meta.detach().numpy()
             req_idx = labels[:, 0]
-            self._check_indices(layer_id, req_idx)
-            self._check_width(layer_id, tensor)
-            kept: np.ndarray | slice | None = None  # rows kept, ascending; None: a prefix
+            self._check_indices(next(iter(rows)), req_idx)
+            for layer_id, tensor in rows.items():
+                self._check_width(layer_id, tensor)
+            unblocked: np.ndarray | None = None  # rows kept, ascending; None: all
             if self._failed_requests or self.elided_reqs:
                 blocked = self._blocked[req_idx]
                 if blocked.any():
-                    kept = np.flatnonzero(~blocked)
-            count = req_idx.size if kept is None else kept.size
-            keep = self._limit_rows(layer_id, count)
-            if keep == 0:
-                return
-            if kept is None:
-                kept = slice(0, keep)
-            else:
-                kept = kept[:keep]
-                if int(kept[-1]) - int(kept[0]) + 1 == keep:
-                    kept = slice(int(kept[0]), int(kept[0]) + keep)
-            owners = req_idx[kept]
-            # One stable argsort groups the rows by request (registration
-            # order), each request's rows staying in batch order.
-            ranks = self._rank[owners]
+                    unblocked = np.flatnonzero(~blocked)
+            count = req_idx.size if unblocked is None else unblocked.size
+            # The chunk layout of the first `keep` rows; layers share it (their budgets agree
+            # unless a layer was enabled later), and chunks never modify these arrays in place.
+            layouts: dict[int, tuple] = {}
+            for layer_id, tensor in rows.items():
+                keep = self._limit_rows(layer_id, count)
+                if keep == 0:
+                    continue
+                if keep not in layouts:
+                    layouts[keep] = self._chunk_layout(labels, unblocked, keep)
+                kept, chunk_meta, reqs, starts, lens = layouts[keep]
+                dtype = tensor.dtype if self.config.dtype is None else self.config.dtype
+                chunk = _Chunk(_take(tensor.detach(), kept, dtype), chunk_meta, reqs, starts, lens)
+                self._add_chunk(layer_id, chunk)
+                self._layer_dtypes.setdefault(layer_id, set()).add(dtype)
+                self.layer_names[layer_id] = layer_names[layer_id]
+
+    def _chunk_layout(self, labels: np.ndarray, unblocked: np.ndarray | None, keep: int):
+        """``(kept rows, their labels, requests, span starts, span lengths)`` of a chunk holding
+        the first ``keep`` unblocked rows, grouped by request in registration order (one stable
+        argsort), each request's rows staying in batch order."""
+        if unblocked is None:
+            kept: np.ndarray | slice = slice(0, keep)
+        else:
+            kept = unblocked[:keep]
+            if int(kept[-1]) - int(kept[0]) + 1 == keep:
+                kept = slice(int(kept[0]), int(kept[0]) + keep)
+        owners = labels[:, 0][kept]
+        ranks = self._rank[owners]
+        steps = ranks[1:] - ranks[:-1]
+        if (steps < 0).any():
+            order = np.argsort(ranks, kind="stable")
+            kept = order + kept.start if isinstance(kept, slice) else kept[order]
+            owners = owners[order]
+            ranks = ranks[order]
             steps = ranks[1:] - ranks[:-1]
-            if (steps < 0).any():
-                order = np.argsort(ranks, kind="stable")
-                kept = order + kept.start if isinstance(kept, slice) else kept[order]
-                owners = owners[order]
-                ranks = ranks[order]
-                steps = ranks[1:] - ranks[:-1]
-            starts = np.flatnonzero(steps)
-            starts += 1
-            starts = np.concatenate((_ZERO, starts))
-            lens = np.empty_like(starts)
-            np.subtract(starts[1:], starts[:-1], out=lens[:-1])
-            lens[-1] = keep - starts[-1]
-            dtype = tensor.dtype if self.config.dtype is None else self.config.dtype
-            chunk = _Chunk(
-                _take(tensor, kept, dtype),
-                np.take(labels, kept, axis=0) if isinstance(kept, np.ndarray)
-                else labels[kept].copy(),
-                owners[starts].astype(np.int64),
-                starts,
-                lens,
-            )
-            self._add_chunk(layer_id, chunk)
-            self._layer_dtypes.setdefault(layer_id, set()).add(dtype)
-            self.layer_names[layer_id] = layer_name
+        starts = np.flatnonzero(steps)
+        starts += 1
+        starts = np.concatenate((_ZERO, starts))
+        lens = np.empty_like(starts)
+        np.subtract(starts[1:], starts[:-1], out=lens[:-1])
+        lens[-1] = keep - starts[-1]
+        chunk_meta = (np.take(labels, kept, axis=0) if isinstance(kept, np.ndarray)
+                      else labels[kept].copy())
+        return kept, chunk_meta, owners[starts].astype(np.int64), starts, lens
 
     def _add_chunk(self, layer_id: int, chunk: _Chunk) -> None:
         chunk_id = self._next_chunk
