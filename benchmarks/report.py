@@ -29,6 +29,13 @@ def _max(values):
     return max(values) if values else None
 
 
+def _per_step(rep: dict, *keys: str) -> float | None:
+    steps = rep.get("host_steps")
+    if not steps or any(rep.get(k) is None for k in keys):
+        return None
+    return sum(rep[k] for k in keys) / steps
+
+
 def aggregate(reps: list[dict]) -> dict:
     """Medians over the reps of one (engine, workload, scenario)."""
     def per_rep(fn):
@@ -57,6 +64,10 @@ def aggregate(reps: list[dict]) -> dict:
         "nvml_used": _max(per_rep(lambda r: r.get("nvml_used"))),
         "graph_replays": _median(per_rep(lambda r: r.get("graph_replays"))),
         "eager_forwards": _median(per_rep(lambda r: r.get("eager_forwards"))),
+        # Capture's host time per step on the step path, and on the harvest thread (rank 0).
+        "host_ms_per_step": _median(per_rep(lambda r: _per_step(
+            r, "host_begin_step_ms", "host_end_step_ms", "host_finish_requests_ms"))),
+        "harvest_ms_per_step": _median(per_rep(lambda r: _per_step(r, "host_harvest_ms"))),
     }
     expected = out["rows_expected"]
     out["complete"] = (out["dropped"] == 0 and (expected is None
@@ -207,8 +218,9 @@ def markdown(report: dict) -> str:
         lines.append(f"## {workload}")
         lines.append("")
         lines.append("| scenario | engine | tok/s | ratio | tok/s e2e | ratio e2e | fetch s | rows/s | GB/s "
-                     "| B/token | rows (expected) | dropped | client peak RSS GiB | engine peak RSS GiB |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                     "| B/token | rows (expected) | dropped | host ms/step (harvest) | client peak RSS GiB "
+                     "| engine peak RSS GiB |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, a in rows.items():
             expected = a.get("rows_expected")
             rows_txt = f"{a['rows']:.0f}" + (f" ({expected})" if expected is not None else "")
@@ -218,7 +230,9 @@ def markdown(report: dict) -> str:
                 f"| {name} | {a['engine']} | {_f(a['tok_s'], '{:.0f}')} | {_f(a['ratio'])} "
                 f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} | {_f(a['fetch_s'])} "
                 f"| {_f(a['rows_s'], '{:.3g}')} | {_f(a['gbps'], '{:.2f}')} | {_f(a['bytes_per_token'], '{:.0f}')} "
-                f"| {rows_txt} | {a['dropped']} | {_f(a['client_peak_rss'], '{:.2f}', GIB)} "
+                f"| {rows_txt} | {a['dropped']} "
+                f"| {_f(a.get('host_ms_per_step'), '{:.3f}')} ({_f(a.get('harvest_ms_per_step'), '{:.3f}')}) "
+                f"| {_f(a['client_peak_rss'], '{:.2f}', GIB)} "
                 f"| {_f(a['engine_peak_rss'], '{:.2f}', GIB)} |")
     lines.append("")
     lines.append("## Engines")

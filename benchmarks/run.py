@@ -265,10 +265,13 @@ class EngineRun:
                     pass
 
     def counters(self) -> dict:
+        """Cumulative counters of rank 0; ``measure`` reports their change over one generate."""
         if self.api is None:
             return {}
         st = self.api.capture_status(self.llm, S.HIDDEN)
-        return {"graph_replays": st.get("graph_replays"), "eager_forwards": st.get("eager_capture_forwards")}
+        timers = st.get("host_timers") or {}
+        return {"graph_replays": st.get("graph_replays"), "eager_forwards": st.get("eager_capture_forwards"),
+                **{f"host_{k}": v for k, v in timers.items()}}
 
     def drain(self, cap: S.Capture, w: S.Workload) -> dict:
         """fetch_captured(clear=True) until the stream is empty; bytes and rows in the client's hands."""
@@ -496,6 +499,8 @@ class Suite:
             self.suite = replace(self.suite, budget_s=args.budget_s)
         if args.max_capture_gb:
             self.suite = replace(self.suite, max_capture_gb=args.max_capture_gb)
+        if args.tp:
+            self.suite = replace(self.suite, tensor_parallel_size=args.tp)
         self.suite = S.select(self.suite, engines=args.engines, workloads=args.workloads)
         self.shape = S.MODELS[self.suite.model]
         self.t0 = time.time()
@@ -676,6 +681,7 @@ def parse_args(argv: list[str]):
     p.add_argument("--budget-s", type=float, help="seconds the suite plans for (engines share it)")
     p.add_argument("--grace-s", type=float, help="seconds past the budget before workers are killed")
     p.add_argument("--max-capture-gb", type=float, help="skip captures with more rows per generate")
+    p.add_argument("--tp", type=int, help="tensor_parallel_size of every engine (default 1)")
     p.add_argument("--engines", help=f"comma list, a subset of {','.join(S.ENGINES)} (default: all the suite needs)")
     p.add_argument("--workloads", help="comma list of workload names, e.g. decode-c64,prefill-c64")
     p.add_argument("--engine-worker", metavar="JOB", help=argparse.SUPPRESS)

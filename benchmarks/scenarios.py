@@ -235,6 +235,7 @@ class Suite:
     max_capture_gb: float = 12.0  # skip scenarios whose rows per generate exceed this (host RAM)
     dtype: str = "bfloat16"
     grace_s: float = 60.0  # past budget_s, workers are stopped (the report is written anyway)
+    tensor_parallel_size: int = 1
 
     def scenarios_for(self, shape: ModelShape) -> list[Scenario]:
         return [SCENARIOS[n] for n in self.scenarios if shape.moe or not SCENARIOS[n].moe_only]
@@ -330,6 +331,8 @@ def engine_kwargs(suite: Suite, shape: ModelShape, engine: str) -> dict:
     e = ENGINES[engine]
     kw = dict(dtype=suite.dtype, max_model_len=suite.max_model_len, max_num_seqs=suite.max_num_seqs,
               max_num_batched_tokens=suite.max_num_batched_tokens, seed=0)
+    if suite.tensor_parallel_size != 1:
+        kw["tensor_parallel_size"] = suite.tensor_parallel_size
     if shape.tiny is None:
         kw["load_format"] = "dummy"
     if not suite.force_eager:

@@ -1,8 +1,8 @@
 """Shared helpers for the tests that start a real vLLM engine (CPU, float32).
 
-Nothing here imports ``vllm_capture.selection``: the brute-force row selection below is written
-from the SelectSpec rules (docs/architecture.md, the spec's field reference), so it checks the
-planner instead of repeating it.
+Nothing here imports ``vllm_capture.selection``: the brute-force row selection
+(``tests/select_reference.py``) is written from the SelectSpec rules (docs/architecture.md, the
+spec's field reference), so it checks the planner instead of repeating it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+
+from tests.select_reference import selected_positions
 
 # Engine geometry shared by the engine test modules. A small token budget per step makes every
 # prompt longer than 64 tokens a chunked prefill; a small block makes prefix-cache hits happen
@@ -241,77 +243,10 @@ def assert_close_rows(captured: torch.Tensor, reference: torch.Tensor, *, rtol: 
 
 # ---- brute-force SelectSpec evaluation ----------------------------------------------------------
 
-def _prompt_position_hit(p: int, length: int, positions) -> bool:
-    for q in positions or ():
-        if q < 0:
-            if p == length + q:
-                return True
-        elif p == q or (q >= length and p == length - 1):
-            return True  # positions past the end clamp to the last prompt token
-    return False
-
-
-def _prompt_window_hit(p: int, length: int, window) -> bool:
-    if window is None:
-        return False
-    start, stop = window
-    return p in range(length)[slice(start, stop)]  # Python slice semantics
-
-
-def _gen_window_hit(g: int, window) -> bool:
-    if window is None:
-        return False
-    start, stop = window
-    return g >= start and (stop is None or g < stop)
-
-
 def brute_force_positions(wire: dict | None, prompt_ids: Sequence[int],
                           gen_fed: Sequence[int]) -> set[int]:
-    """Absolute positions a SelectSpec wire dict selects for one request.
-
-    ``prompt_ids``: the prompt; ``gen_fed``: the generated tokens that were fed back (all but the
-    last sampled one). ``None`` selects every row. A phase is covered iff it is ``"all"`` or one of
-    its include selectors is set; a row is kept iff its phase is covered, (the phase is "all" or
-    an include matches) and no exclude matches.
-    """
-    length = len(prompt_ids)
-    total = length + len(gen_fed)
-    if wire is None:
-        return set(range(total))
-    w = {k: wire.get(k) for k in (
-        "prompt", "generation", "prompt_tokens", "prompt_positions", "prompt_window",
-        "generation_tokens", "generation_positions", "generation_window",
-        "exclude_prompt_tokens", "exclude_prompt_positions", "exclude_prompt_window",
-        "exclude_generation_tokens", "exclude_generation_positions", "exclude_generation_window")}
-    chosen: set[int] = set()
-    prompt_covered = w["prompt"] == "all" or any(
-        w[k] is not None for k in ("prompt_tokens", "prompt_positions", "prompt_window"))
-    gen_covered = w["generation"] == "all" or any(
-        w[k] is not None
-        for k in ("generation_tokens", "generation_positions", "generation_window"))
-    if prompt_covered:
-        for p, tok in enumerate(prompt_ids):
-            inc = (w["prompt"] == "all"
-                   or tok in (w["prompt_tokens"] or ())
-                   or _prompt_position_hit(p, length, w["prompt_positions"])
-                   or _prompt_window_hit(p, length, w["prompt_window"]))
-            exc = (tok in (w["exclude_prompt_tokens"] or ())
-                   or _prompt_position_hit(p, length, w["exclude_prompt_positions"])
-                   or _prompt_window_hit(p, length, w["exclude_prompt_window"]))
-            if inc and not exc:
-                chosen.add(p)
-    if gen_covered:
-        for g, tok in enumerate(gen_fed):
-            inc = (w["generation"] == "all"
-                   or tok in (w["generation_tokens"] or ())
-                   or g in (w["generation_positions"] or ())
-                   or _gen_window_hit(g, w["generation_window"]))
-            exc = (tok in (w["exclude_generation_tokens"] or ())
-                   or g in (w["exclude_generation_positions"] or ())
-                   or _gen_window_hit(g, w["exclude_generation_window"]))
-            if inc and not exc:
-                chosen.add(length + g)
-    return chosen
+    """Absolute positions a SelectSpec wire dict selects for one request (``None``: every row)."""
+    return selected_positions(wire, prompt_ids, gen_fed)
 
 
 def wire_of(spec) -> dict | None:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.select_reference import selected as reference_selected
 from tests.test_selection_spec import VOCAB, select_specs
 from vllm_capture.selection import (
     BatchGeometry,
@@ -226,42 +227,6 @@ def test_negative_row_limit_rejected():
 
 
 # ---- randomized scheduler vs brute-force reference ----------------------------------------------
-
-
-def reference_selected(spec: SelectSpec | None, prompt_len: int, position: int, token: int) -> bool:
-    """Membership straight from the clause definition, one position at a time."""
-    if spec is None:
-        return True
-    if position < prompt_len:
-        phase, index = "prompt", position
-
-        def by_positions(values):
-            resolved = {prompt_len + v if v < 0 else min(v, prompt_len - 1) for v in values}
-            return index in resolved
-
-        def by_window(window):
-            return index in range(prompt_len)[slice(*window)]
-    else:
-        phase, index = "generation", position - prompt_len
-
-        def by_positions(values):
-            return index in values
-
-        def by_window(window):
-            return window[0] <= index and (window[1] is None or index < window[1])
-
-    def matches(prefix):
-        tokens, positions, window = (
-            getattr(spec, f"{prefix}{phase}_{kind}") for kind in ("tokens", "positions", "window")
-        )
-        return (
-            (tokens is not None and token in tokens)
-            or (positions is not None and by_positions(positions))
-            or (window is not None and by_window(window))
-        )
-
-    included = getattr(spec, phase) == "all" or matches("")
-    return included and not matches("exclude_")
 
 
 @dataclass

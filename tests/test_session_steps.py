@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vllm_capture.session.config as config_module
+from tests.select_reference import selected as reference_selected
 from tests.test_selection_spec import select_specs
 from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.kernels import layout as L
@@ -298,54 +299,11 @@ def decode_rows(tensors, metas):
 # ---- reference ----------------------------------------------------------------------------------
 
 
-def ref_selected(spec: SelectSpec | None, prompt_len: int, position: int, token: int) -> bool:
-    """Is the row at ``position`` with input ``token`` selected? Straight from the definition."""
-    if spec is None:
-        return True
-    if position < prompt_len:
-        phase, index = "prompt", position
-
-        def by_positions(values):
-            hit = set()
-            for v in values:
-                if v < 0:
-                    if prompt_len + v >= 0:
-                        hit.add(prompt_len + v)
-                else:
-                    hit.add(min(v, prompt_len - 1))
-            return index in hit
-
-        def by_window(window):
-            return index in range(prompt_len)[slice(*window)]
-    else:
-        phase, index = "generation", position - prompt_len
-
-        def by_positions(values):
-            return index in values
-
-        def by_window(window):
-            return index >= window[0] and (window[1] is None or index < window[1])
-
-    def matches(prefix):
-        tokens, positions, window = (getattr(spec, f"{prefix}{phase}_{k}")
-                                     for k in ("tokens", "positions", "window"))
-        return ((tokens is not None and token in tokens)
-                or (positions is not None and by_positions(positions))
-                or (window is not None and by_window(window)))
-
-    covered = getattr(spec, phase) == "all" or any(
-        getattr(spec, f"{phase}_{k}") is not None for k in ("tokens", "positions", "window"))
-    if not covered:
-        return False
-    included = getattr(spec, phase) == "all" or matches("")
-    return included and not matches("exclude_")
-
-
 def ref_may_select(spec, prompt_len, position, token) -> bool:
     """Selected for some token, when ``token`` is None (the host could not know it)."""
     if token is not None:
-        return ref_selected(spec, prompt_len, position, token)
-    return any(ref_selected(spec, prompt_len, position, t) for t in range(VOCAB + 1))
+        return reference_selected(spec, prompt_len, position, token)
+    return any(reference_selected(spec, prompt_len, position, t) for t in range(VOCAB + 1))
 
 
 def resolve_select(req: Req, component: str, stream_select):
@@ -401,7 +359,7 @@ class RefStream:
                 if q < self.high[rid]:
                     continue  # recomputed after preemption: captured once
                 self.fed[rid].append(q)
-                if ref_selected(self.spec(r), r.prompt_len, q, r.seq[q]):
+                if reference_selected(self.spec(r), r.prompt_len, q, r.seq[q]):
                     self.selected[rid].append((q, step_no, e.row_start + k))
             self.high[rid] = max(self.high[rid], e.first + e.rows)
 
