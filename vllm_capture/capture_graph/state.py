@@ -288,6 +288,9 @@ class CaptureGraphState:
                 for group in groups:
                     # [enabled sites, n, width]: only the planned rows of enabled layers.
                     rows = group.ring[:, slot, :n].index_select(0, group.enabled_index)
+                    if cuda:
+                        # set_enabled may replace the index while this gather is still queued.
+                        group.enabled_index.record_stream(self._copy_stream)
                     if labels is None:
                         labels = _to_host(group.labels[group.enabled[0], slot, :n], cuda)
                     rows = _to_host(rows, cuda)
