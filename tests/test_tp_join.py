@@ -82,3 +82,22 @@ def test_duplicate_rank_and_size_mismatch_are_refused(full):
         join_shards(ATTENTION_HEADS, [_reply(0, 2, full, full), bad])
     with pytest.raises(RuntimeError, match="no worker"):
         join_shards(ATTENTION_HEADS, [])
+
+
+class _FakeTPEngine:
+    """Stands in for a vllm.LLM whose workers reply out of rank order."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    def collective_rpc(self, method, args=()):
+        return list(self.replies)
+
+
+def test_status_of_rank_zero_or_of_every_rank_in_rank_order():
+    from vllm_capture.api import capture_status
+
+    llm = _FakeTPEngine([{"tp_rank": 1, "tp_size": 2, "graph_replays": 7},
+                         {"tp_rank": 0, "tp_size": 2, "graph_replays": 7}])
+    assert [r["tp_rank"] for r in capture_status(llm, HIDDEN_STATES, all_ranks=True)] == [0, 1]
+    assert capture_status(llm, HIDDEN_STATES)["tp_rank"] == 0

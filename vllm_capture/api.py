@@ -52,7 +52,7 @@ def _rpc(llm, method: str, *args) -> list[dict]:
 
 
 def start_capture(llm, stream: str = HIDDEN_STATES, **config) -> dict:
-    return _rpc(llm, "start_capture", stream, config)[0]
+    return _by_rank(_rpc(llm, "start_capture", stream, config))[0]
 
 
 def stop_capture(llm, stream: str = HIDDEN_STATES) -> None:
@@ -61,8 +61,12 @@ def stop_capture(llm, stream: str = HIDDEN_STATES) -> None:
 
 def capture_status(llm, stream: str = HIDDEN_STATES, all_ranks: bool = False):
     """Rank 0's status, or every rank's (a list ordered by ``tp_rank``) with ``all_ranks``."""
-    replies = _rpc(llm, "capture_status", stream)
-    return sorted(replies, key=lambda r: r.get("tp_rank", 0)) if all_ranks else replies[0]
+    replies = _by_rank(_rpc(llm, "capture_status", stream))
+    return replies if all_ranks else replies[0]
+
+
+def _by_rank(replies: list[dict]) -> list[dict]:
+    return sorted(replies, key=lambda r: r.get("tp_rank", 0))
 
 
 def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
