@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import textwrap
 import types
 import warnings
 from dataclasses import dataclass
@@ -1093,6 +1094,67 @@ def test_selections_through_the_openai_servers_vllm_xargs():
     assert {(rids[1], 2), (rids[2], 0), (rids[2], 3)} <= want
     assert (rids[1], 0) not in want and (rids[2], 1) not in want
     check_rows(ref, decode_rows(*engine.fetch(HS)), want)
+
+
+def test_steps_are_stored_in_batches_and_in_order():
+    """Many decode steps reach the store as a few appends per layer, rows still in step order."""
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    reqs = [Req(num=i, prompt=[1, 2, 3], gen=[1] * 40) for i in range(3)]
+    engine.step([(r, 3) for r in reqs])
+    while not all(r.done for r in reqs):
+        engine.step([(r, 1) for r in reqs if not r.done])
+    engine.session._wait_harvest()
+    store = engine.session._streams[HS].store
+    assert len(store.chunks[0]) < engine.step_no / 4
+    rows = decode_rows(*engine.fetch(HS))
+    check_rows(ref, rows, ref.expected_rows([r.rid for r in reqs]))
+    for rid in (r.rid for r in reqs):
+        positions = [p for r, p, _, _ in rows[0] if r == rid]
+        assert positions == sorted(positions) == list(range(len(positions)))
+
+
+def test_an_interpreter_exit_with_rows_in_flight_is_clean(tmp_path):
+    """The harvest thread is ended at exit: a daemon thread still freeing tensors while the
+    interpreter shuts down aborts the process (exit code 134)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_mid_capture.py"
+    script.write_text(textwrap.dedent("""
+        import types
+        import numpy as np
+        import torch
+        from vllm_capture.capture_graph.state import CaptureGraphState
+        from vllm_capture.selection import BatchGeometry
+        from vllm_capture.session.session import CaptureSession
+
+        state = CaptureGraphState(device=torch.device("cpu"), capacity=4096, acc_slots=64)
+        for layer in range(8):
+            state.add_site("hidden_states", layer, f"layers.{layer}", 2048, torch.bfloat16)
+        state.allocate()
+        state.set_input_ids(torch.zeros(4096, dtype=torch.int32))
+        session = CaptureSession(state)
+        session.enable_stream("hidden_states", layers={0, 3, 5, 7})
+        ids = [f"r{i}" for i in range(64)]
+        for rid in ids:
+            session.add_request(rid, list(range(32)), types.SimpleNamespace(extra_args={}, n=1))
+        for step in range(40):
+            prefill = step == 0
+            qsl = np.arange(65, dtype=np.int32) * (32 if prefill else 1)
+            computed = np.full(64, 0 if prefill else 31 + step, dtype=np.int64)
+            session.begin_step(BatchGeometry(tuple(ids), qsl, computed, int(qsl[-1]),
+                                             np.full(int(qsl[-1]), -1, dtype=np.int32)))
+            session.end_step()
+        """))
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    for _ in range(3):
+        done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True,
+                              text=True, timeout=120, env={**__import__("os").environ,
+                                                           "PYTHONPATH": str(root)})
+        assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_unsupported_requests_fail_with_a_reason():

@@ -10,6 +10,7 @@ recycled after every row of it has been stored.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import json
 import logging
@@ -32,6 +33,14 @@ logger = logging.getLogger("vllm_capture")
 
 # The key in SamplingParams.extra_args that carries a per-request selection.
 EXTRA_ARGS_KEY = "capture"
+
+# The harvest thread stores drained steps in batches: one store append per layer for many steps,
+# because its Python work holds the GIL the step path needs. A batch is stored when its host rows
+# reach HARVEST_BATCH_BYTES, when it holds HARVEST_BATCH_ITEMS queue items, when the queue has
+# been idle for HARVEST_IDLE_S, or when the session waits for the harvest (fetch, status, stop).
+HARVEST_BATCH_BYTES = 32 << 20
+HARVEST_BATCH_ITEMS = 64
+HARVEST_IDLE_S = 0.02
 
 
 @dataclass
@@ -94,6 +103,14 @@ class _Finish:
     req_id: str
 
 
+class _Flush:
+    """Queue sentinel: store whatever the harvest thread holds (``_wait_harvest``)."""
+
+
+class _Stop(_Flush):
+    """Queue sentinel: store what is held, then end the harvest thread (interpreter exit)."""
+
+
 class CaptureSession:
     """Owns capture streams for one worker's model (see the spec's CaptureSession)."""
 
@@ -117,6 +134,9 @@ class CaptureSession:
         self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
                                            daemon=True)
         self._harvester.start()
+        # A daemon thread still working with tensors when the interpreter shuts down aborts the
+        # process (exit code 134), so the thread is ended first.
+        atexit.register(self._stop_harvest)
         self._harvest_error: BaseException | None = None
 
     # ---- components -----------------------------------------------------------------------------
@@ -442,50 +462,94 @@ class CaptureSession:
     # ---- harvest thread -------------------------------------------------------------------------
 
     def _wait_harvest(self) -> None:
+        if not self._harvester.is_alive():
+            raise RuntimeError("capture session is shut down (the interpreter is exiting)")
+        self._queue.put(_Flush())
         self._queue.join()
         if self._harvest_error is not None:
             err, self._harvest_error = self._harvest_error, None
             raise RuntimeError(f"capture harvest failed: {err!r}") from err
 
     def _harvest_loop(self) -> None:
+        batch: list = []
+        batch_bytes = 0
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=HARVEST_IDLE_S if batch else None)
+            except queue.Empty:
+                item = None  # idle: store what is held
+            stop = isinstance(item, _Stop)
+            if item is not None and not isinstance(item, _Flush):
+                batch.append(item)
+                batch_bytes += _item_bytes(item)
+                if batch_bytes < HARVEST_BATCH_BYTES and len(batch) < HARVEST_BATCH_ITEMS:
+                    continue
             t0 = time.perf_counter()
             try:
-                if isinstance(item, _Drained):
-                    self._store_drained(item)
-                elif isinstance(item, _Reduced):
-                    self._store_reduced(item)
-                elif isinstance(item, _Finish):
-                    item.store.finish_request(item.req_id)
+                self._store_batch(batch)
             except BaseException as exc:  # surfaced at the next fetch/status
                 logger.exception("vllm-capture harvest failed")
                 self._harvest_error = exc
             finally:
                 self._host_s["harvest"] += time.perf_counter() - t0
-                self._queue.task_done()
+                done = len(batch) + isinstance(item, _Flush)
+                # Free the batch's tensors before anyone waiting is released: a thread freeing
+                # tensors while the interpreter shuts down aborts the process.
+                batch, batch_bytes, item = [], 0, None
+                for _ in range(done):
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def _stop_harvest(self) -> None:
+        if self._harvester.is_alive():
+            self._queue.put(_Stop())
+            self._harvester.join(timeout=10)
+
+    @classmethod
+    def _store_batch(cls, batch: list) -> None:
+        """Store a batch of queue items: drained rows first (one append per stream and layer
+        set, rows in queue order), then reductions, then finished requests. Finishing a request
+        only lets its label index be reused, so it may wait until after later rows; it must not
+        come before its own rows, and never does here."""
+        drained: dict[tuple, list] = {}
+        for item in batch:
+            if isinstance(item, _Drained):
+                tensors, labels = cls._drained_rows(item)
+                key = (id(item.stream), tuple(tensors))
+                drained.setdefault(key, []).append((item, tensors, labels))
+        for parts in drained.values():
+            item = parts[0][0]
+            labels = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
+            tensors = {layer: (torch.cat([p[1][layer] for p in parts]) if len(parts) > 1
+                               else parts[0][1][layer]) for layer in parts[0][1]}
+            # The store copies into memory it owns, so pinned staging is released after this.
+            item.stream.store.append_layers(tensors, labels, item.rows.layer_names)
+        for item in batch:
+            if isinstance(item, _Reduced):
+                cls._store_reduced(item)
+        for item in batch:
+            if isinstance(item, _Finish):
+                item.store.finish_request(item.req_id)
 
     @staticmethod
-    def _store_drained(item: _Drained) -> None:
+    def _drained_rows(item: _Drained) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """``({layer: rows}, labels)`` of one drained step, with conditional rows decided."""
         rows = item.rows
         rows.wait()
-        keep = None
+        # Every layer of a drain carries the same rows and one labels tensor.
+        labels = next(iter(rows.layers.values()))[1]
+        tensors = {layer_id: tensor for layer_id, (tensor, _) in rows.layers.items()}
         if item.condition is not None:
-            any_layer = next(iter(rows.layers.values()))
-            tokens = any_layer[1][:, L.LABEL_TOKEN].numpy()
+            tokens = labels[:, L.LABEL_TOKEN].numpy()
             keep = item.condition < 0
             for c, condition in enumerate(item.conditions):
                 mine = item.condition == c
                 keep[mine] = condition.accepts_array(tokens[mine])
             keep = torch.from_numpy(keep)
-        # Every layer of a drain carries the same rows and one labels tensor.
-        labels = next(iter(rows.layers.values()))[1]
-        tensors = {layer_id: tensor for layer_id, (tensor, _) in rows.layers.items()}
-        if keep is not None:
             labels = labels[keep]
             tensors = {layer_id: tensor[keep] for layer_id, tensor in tensors.items()}
-        # The store copies into memory it owns, so pinned staging is released here.
-        item.stream.store.append_layers(tensors, labels, rows.layer_names)
+        return tensors, labels
 
     @staticmethod
     def _store_reduced(item: _Reduced) -> None:
@@ -502,6 +566,15 @@ class CaptureSession:
             if bool(empty.any()):
                 values, meta = values[~empty], meta[~empty]
             item.stream.store.append(layer_id, values, meta, item.acc.layer_names[layer_id])
+
+
+def _item_bytes(item) -> int:
+    """Host bytes a queue item holds (pinned staging of drained rows or reductions)."""
+    if isinstance(item, _Drained):
+        return sum(t.numel() * t.element_size() for t, _ in item.rows.layers.values())
+    if isinstance(item, _Reduced):
+        return sum(a.numel() * a.element_size() for a, _, _ in item.acc.layers.values())
+    return 0
 
 
 def selects_positions_below(track: RequestTrack, stop: int) -> bool:
