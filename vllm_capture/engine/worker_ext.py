@@ -24,8 +24,8 @@ from vllm_capture.engine.config import EngineCaptureConfig
 from vllm_capture.engine.instrument import find_targets, instrument
 from vllm_capture.engine.runners import wrap_runner
 from vllm_capture.kernels.ops import register_op, set_site_handler
-from vllm_capture.session.components import COMPONENTS, REPLICATED_COMPONENTS
 from vllm_capture.session import shm
+from vllm_capture.session.components import COMPONENTS, REPLICATED_COMPONENTS
 from vllm_capture.session.session import CaptureSession
 
 logger = logging.getLogger("vllm_capture")
@@ -161,22 +161,19 @@ class CaptureWorkerExtension:
                 "vllm_capture.engine_kwargs)")
         return session
 
-    def _capture_rank(self) -> dict:
-        return tp_rank_and_size()
-
     @_tagged_errors
     def start_capture(self, stream: str, config: dict | None = None) -> dict:
         session = self._capture_session()
         if config is not None and not isinstance(config, dict):
             raise ValueError(f"config: expected a dict of StreamConfig arguments, got {type(config).__name__}")
         session.enable_stream(stream, **(config or {}))
-        return {**self._capture_rank(), **session.stream_status(stream)}
+        return {**tp_rank_and_size(), **session.stream_status(stream)}
 
     @_tagged_errors
     def stop_capture(self, stream: str) -> dict:
         session = self._capture_session()
         session.disable_stream(stream)
-        return self._capture_rank()
+        return tp_rank_and_size()
 
     @_tagged_errors
     def fetch_captured(self, stream: str, clear: bool = True, layers: list | None = None,
@@ -185,17 +182,17 @@ class CaptureWorkerExtension:
         with torch.inference_mode():
             data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids,
                                         raw_data=True)
-        reply = {**self._capture_rank(), "layers": {str(k): v for k, v in data.items()}}
+        reply = {**tp_rank_and_size(), "layers": {str(k): v for k, v in data.items()}}
         # Rows go through shared memory only when this worker can read the client's probe file.
         return shm.write_reply(reply, shared=shm.worker_sees(shm_probe))
 
     @_tagged_errors
     def clear_captured(self, stream: str) -> dict:
         self._capture_session().clear_stream(stream)
-        return self._capture_rank()
+        return tp_rank_and_size()
 
     @_tagged_errors
     def capture_status(self, stream: str) -> dict:
         status = self._capture_session().stream_status(stream)
         status["layouts"] = {str(k): v for k, v in status["layouts"].items()}
-        return {**self._capture_rank(), **status}
+        return {**tp_rank_and_size(), **status}
