@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL]
-#   SET: dense | moe | tp | profile | bench-quick | bench-full   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | moe | tp | profile | extract | bench-quick | bench-full   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe)
 set -uo pipefail
 SET=${1:-dense}
@@ -50,6 +50,28 @@ case "$SET" in
     timeout 300 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile >"$OUT/profile.log" 2>&1; echo "profile rc=$?"
     grep -E "^(idle|hidden)" "$OUT/profile.log" | cut -c1-700
     cp "$OUT/profile.log" /tmp/profile/ 2>/dev/null; tar czf "$OUT/profile.tgz" -C /tmp profile && rm -f "$OUT/profile.log"
+    ;;
+  extract)
+    # The main job's throughput (issue 6): Llama-3.2-1B shape (dummy weights), 4,096 prompts of
+    # 20-120 words, last prompt token of every layer, then every prompt row of 4 layers.
+    python3 - <<'PY'
+import random, sys
+from pathlib import Path
+sys.path.insert(0, ".")
+from benchmarks import scenarios as S
+from benchmarks.run import prepare_model
+from vllm_capture.tiny_models import CORPUS
+CORPUS_WORDS = sorted({w for line in CORPUS for w in line.split()})
+folder = prepare_model(S.MODELS["1b"], Path("/tmp/extract"))
+rng = random.Random(0)
+lines = [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(20, 120))) for _ in range(4096)]
+Path("/tmp/extract/prompts.txt").write_text("\n".join(lines) + "\n")
+print(folder)
+PY
+    X="python3 -m vllm_capture.cli extract /tmp/extract/models/1b /tmp/extract/prompts.txt --load-format dummy --dtype bfloat16 --max-model-len 512 --batch-size 256 --no-progress"
+    timeout 280 $X -o /tmp/extract/last -l all -s last >"$OUT/extract_last.log" 2>&1; echo "extract last rc=$?"; grep -E "prompts/s" "$OUT/extract_last.log"
+    timeout 280 $X -o /tmp/extract/all4 -l 0,5,10,15 -s all >"$OUT/extract_all4.log" 2>&1; echo "extract all4 rc=$?"; grep -E "prompts/s" "$OUT/extract_all4.log"
+    python3 -m vllm_capture.cli inspect /tmp/extract/all4 --verify >"$OUT/extract_inspect.log" 2>&1; echo "inspect rc=$?"; head -20 "$OUT/extract_inspect.log"
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi

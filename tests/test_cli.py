@@ -367,6 +367,20 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tiny, tmp_path, c
     assert not out.exists()
 
 
+def test_engine_options_reach_the_engine(tiny, prompts_file, tmp_path):
+    seen = {}
+
+    def factory(model, components, engine_options):
+        seen.update(engine_options)
+        raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["extract", str(tiny), str(prompts_file), "-o", str(tmp_path / "ds"), "--no-progress",
+              "--load-format", "dummy", "--max-num-seqs", "8", "--enforce-eager"],
+             llm_factory=factory)
+    assert seen == {"load_format": "dummy", "max_num_seqs": 8, "enforce_eager": True}
+
+
 def test_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["extract", "model-only"])

@@ -8,6 +8,7 @@ Commands::
         [--shard-rows N] [--shard-mb MB] [--no-progress]
         [--tensor-parallel-size N] [--max-model-len N] [--gpu-memory-utilization F]
         [--enforce-eager] [--max-num-batched-tokens N] [--max-num-seqs N] [--dtype D]
+        [--load-format F]
     vllm-capture inspect DIR [--plot norms.png] [--verify] [--no-stats]
     vllm-capture demo [--out DIR] [--plot norms.png]
 
@@ -81,7 +82,8 @@ DEMO_COMPONENTS = ("hidden_states", "attention_heads")
 DEMO_MAX_TOKENS = 4
 
 _ENGINE_OPTIONS = ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization",
-                   "enforce_eager", "max_num_batched_tokens", "max_num_seqs", "dtype")
+                   "enforce_eager", "max_num_batched_tokens", "max_num_seqs", "dtype",
+                   "load_format")
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -927,6 +929,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--dtype", default=None, help="model dtype (auto, float32, bfloat16, ...)")
+    g.add_argument("--load-format", default=None,
+                   help="vLLM load format; 'dummy' runs a config-only folder with random weights "
+                        "(throughput measurements)")
 
     i = sub.add_parser("inspect", help="summarize a dataset folder (optionally plot norms)")
     i.add_argument("path", help="dataset folder")
