@@ -4,11 +4,15 @@ The RPC path carries rows as msgpack bytes through vLLM's engine-core sockets: s
 about 0.24 GB/s on the H200 host (a 64 MiB fetch took 0.28 s). When the worker can see a file the
 client wrote in ``/dev/shm`` (same host, same mount namespace: checked, not assumed from the host
 name), the worker writes the rows of a fetch into one file there and sends offsets instead; the
-client reads the file once and deletes it. Anything else (another host, a container with its own
+client maps the file, copies the rows out while decoding, and deletes it. Anything else (another host, a container with its own
 ``/dev/shm``, too little space) keeps the bytes path, so a fetch never depends on this.
 
+A client killed between the reply and its read leaves that file behind
+(``/dev/shm/vllm-capture-rows-*``; safe to delete when no capture client runs).
+
 Payload contract: a layer entry's ``"data"`` is replaced by ``"shm_offset"`` and ``"shm_nbytes"``
-(ints) and the reply gains ``"shm_path"`` (str); :func:`read_reply` puts the bytes back before the wire decoder runs.
+(ints) and the reply gains ``"shm_path"`` (str); :func:`read_reply` puts the bytes back before
+the wire decoder runs.
 """
 
 from __future__ import annotations
