@@ -336,6 +336,8 @@ BAD_INPUTS = {
     "bad storage dtype": (lambda d: ["{model}", "{txt}", "--storage-dtype", "int8"],
                           "--storage-dtype"),
     "bad batch size": (lambda d: ["{model}", "{txt}", "--batch-size", "0"], "--batch-size"),
+    "bad capture buffer": (lambda d: ["{model}", "{txt}", "--capture-buffer-bytes", "-1"],
+                           "--capture-buffer-bytes"),
     "foreign output folder": (lambda d: ["{model}", "{txt}", "--out", str(_foreign(d))],
                               "not empty"),
 }
@@ -376,9 +378,11 @@ def test_engine_options_reach_the_engine(tiny, prompts_file, tmp_path):
 
     with pytest.raises(RuntimeError, match="stop here"):
         main(["extract", str(tiny), str(prompts_file), "-o", str(tmp_path / "ds"), "--no-progress",
-              "--load-format", "dummy", "--max-num-seqs", "8", "--enforce-eager"],
+              "--load-format", "dummy", "--max-num-seqs", "8", "--enforce-eager",
+              "--capture-buffer-bytes", "1048576"],
              llm_factory=factory)
-    assert seen == {"load_format": "dummy", "max_num_seqs": 8, "enforce_eager": True}
+    assert seen == {"load_format": "dummy", "max_num_seqs": 8, "enforce_eager": True,
+                    "capture_buffer_bytes": 1 << 20}
 
 
 def test_usage_errors_are_one_line(capsys):

@@ -83,7 +83,7 @@ DEMO_MAX_TOKENS = 4
 
 _ENGINE_OPTIONS = ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization",
                    "enforce_eager", "max_num_batched_tokens", "max_num_seqs", "dtype",
-                   "load_format")
+                   "load_format", "capture_buffer_bytes")
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -579,7 +579,7 @@ def plan_run(prompts: Sequence, *, components=(HIDDEN_STATES,), layers=None, sel
         raise UsageError(f"--shard-mb: expected a number > 0, got {shard_mb!r}")
     engine_options = {k: v for k, v in dict(engine_options or {}).items() if v is not None}
     for name in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens",
-                 "max_num_seqs"):
+                 "max_num_seqs", "capture_buffer_bytes"):
         if name in engine_options:
             _positive_int("--" + name.replace("_", "-"), engine_options[name])
     util = engine_options.get("gpu_memory_utilization")
@@ -932,6 +932,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default=None,
                    help="vLLM load format; 'dummy' runs a config-only folder with random weights "
                         "(throughput measurements)")
+    g.add_argument("--capture-buffer-bytes", type=int, default=None,
+                   help="device bytes for capture's ring buffers (default: enough for every row "
+                        "of the largest step; less can drop rows of large steps, which fails the run)")
 
     i = sub.add_parser("inspect", help="summarize a dataset folder (optionally plot norms)")
     i.add_argument("path", help="dataset folder")

@@ -15,16 +15,15 @@ CONFIG_KEY = "capture"
 CONFIG_VERSION = 1
 WORKER_EXTENSION = "vllm_capture.engine.worker_ext.CaptureWorkerExtension"
 
-DEFAULT_BUFFER_BYTES = 1 << 30
-
 
 @dataclass(frozen=True)
 class EngineCaptureConfig:
     """What to instrument at model load, and how much device memory capture may take."""
 
     components: tuple[str, ...] = COMPONENTS
-    # Device bytes for the ring buffers of all sites together; sets rows per step.
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    # Device bytes for the ring buffers of all sites together; sets rows per step. None: every
+    # site holds all rows of the largest step (max_num_batched_tokens), so no row is dropped.
+    buffer_bytes: int | None = None
     # Requests that can hold a last/mean accumulator at once.
     reduce_slots: int = 256
     ring_slots: int = 2
@@ -38,6 +37,8 @@ class EngineCaptureConfig:
         object.__setattr__(self, "components", comps)
         for name in ("buffer_bytes", "reduce_slots", "ring_slots"):
             value = getattr(self, name)
+            if name == "buffer_bytes" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if self.version != CONFIG_VERSION:
@@ -63,7 +64,7 @@ class EngineCaptureConfig:
         return cls(**raw)
 
 
-def engine_kwargs(components=COMPONENTS, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+def engine_kwargs(components=COMPONENTS, buffer_bytes: int | None = None,
                   reduce_slots: int = 256, **llm_kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` (or ``AsyncEngineArgs``) that make it capture-ready."""
     cfg = EngineCaptureConfig(tuple(components), buffer_bytes, reduce_slots)

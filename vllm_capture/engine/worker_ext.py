@@ -33,12 +33,19 @@ SESSION_ATTR = "_vllm_capture_session"
 
 
 def _capacity(cfg: EngineCaptureConfig, targets, vllm_config) -> int:
-    """Rows per step per component that fit the ring byte budget (at least 1)."""
+    """Rows per step per component: all rows of the largest step, or what the byte budget holds."""
     bytes_per_row = sum((t.width * t.dtype.itemsize + 12) * cfg.ring_slots for t in targets)
     max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-    if bytes_per_row == 0:
+    if bytes_per_row == 0 or cfg.buffer_bytes is None:
         return max_tokens
-    return max(1, min(max_tokens, cfg.buffer_bytes // bytes_per_row))
+    capacity = max(1, min(max_tokens, cfg.buffer_bytes // bytes_per_row))
+    if capacity < max_tokens:
+        logger.warning(
+            "vllm-capture: capture_buffer_bytes=%d holds %d rows per step, fewer than "
+            "max_num_batched_tokens=%d: a step with more selected rows drops the rest (counted "
+            "in tokens_dropped); %d bytes hold every row", cfg.buffer_bytes, capacity, max_tokens,
+            bytes_per_row * max_tokens)
+    return capacity
 
 
 def tp_rank_and_size() -> dict:

@@ -1,0 +1,50 @@
+"""The engine-side capture config and how it sizes the device ring (no engine started)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_capture.engine.config import EngineCaptureConfig, engine_kwargs
+from vllm_capture.engine.worker_ext import _capacity
+
+
+def _vllm_config(max_num_batched_tokens: int):
+    return SimpleNamespace(scheduler_config=SimpleNamespace(
+        max_num_batched_tokens=max_num_batched_tokens))
+
+
+def _targets(widths, dtype=torch.bfloat16):
+    return [SimpleNamespace(width=w, dtype=dtype) for w in widths]
+
+
+def test_default_buffer_holds_every_row_of_the_largest_step():
+    cfg = EngineCaptureConfig()
+    assert cfg.buffer_bytes is None
+    assert _capacity(cfg, _targets([4096] * 32), _vllm_config(16384)) == 16384
+
+
+def test_byte_budget_sets_rows_per_step_and_warns_when_a_step_does_not_fit(caplog):
+    targets = _targets([100, 28])  # (100*2 + 12) + (28*2 + 12) = 280 bytes a row, 2 slots
+    per_row = 280 * 2
+    caplog.set_level("WARNING", logger="vllm_capture")
+    assert _capacity(EngineCaptureConfig(buffer_bytes=per_row * 70), targets, _vllm_config(512)) == 70
+    assert "holds 70 rows per step" in caplog.text and str(per_row * 512) in caplog.text
+    caplog.clear()
+    assert _capacity(EngineCaptureConfig(buffer_bytes=per_row * 1000), targets, _vllm_config(512)) == 512
+    assert caplog.text == ""
+    assert _capacity(EngineCaptureConfig(buffer_bytes=1), targets, _vllm_config(512)) == 1
+
+
+@pytest.mark.parametrize("field,value", [("buffer_bytes", 0), ("buffer_bytes", True),
+                                         ("reduce_slots", -1), ("ring_slots", 1.5)])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineCaptureConfig(**{field: value})
+
+
+def test_engine_kwargs_carry_the_config_through_additional_config():
+    kw = engine_kwargs(components=("hidden_states",), max_model_len=64)
+    cfg = EngineCaptureConfig.from_vllm_config(SimpleNamespace(additional_config=kw["additional_config"]))
+    assert cfg == EngineCaptureConfig(components=("hidden_states",))
+    assert kw["max_model_len"] == 64
