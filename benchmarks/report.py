@@ -192,7 +192,7 @@ def engine_rows(engines: dict[str, dict]) -> list[dict]:
     out = []
     for name, e in engines.items():
         row = {"engine": name, **e}
-        for key in ("kv_cache_tokens", "nvml_used", "nvml_process"):
+        for key in ("kv_cache_tokens", "nvml_engine"):
             if e.get(key) is not None and base.get(key) is not None:
                 row[f"{key}_vs_vanilla"] = e[key] - base[key]
         out.append(row)
@@ -238,7 +238,7 @@ def markdown(report: dict) -> str:
     lines.append("## Engines")
     lines.append("")
     lines.append("| engine | init s | KV cache tokens (vs vanilla) | capture buffers GiB (status) "
-                 "| NVML device used GiB (vs vanilla) | NVML our processes GiB (vs vanilla) | error |")
+                 "| GPU GiB the engine took (NVML, vs vanilla) | side by side with | error |")
     lines.append("|---|---|---|---|---|---|---|")
     for e in engine_rows(report.get("engines", {})):
         def delta(key, scale=1.0, fmt="{:+.2f}"):
@@ -248,8 +248,8 @@ def markdown(report: dict) -> str:
             f"| {e['engine']} | {_f(e.get('init_s'), '{:.0f}')} "
             f"| {_f(e.get('kv_cache_tokens'), '{:,.0f}')}{delta('kv_cache_tokens', 1.0, '{:+,.0f}')} "
             f"| {_f(e.get('capture_allocation_bytes'), '{:.3f}', GIB)} "
-            f"| {_f(e.get('nvml_used'), '{:.2f}', GIB)}{delta('nvml_used', GIB)} "
-            f"| {_f(e.get('nvml_process'), '{:.2f}', GIB)}{delta('nvml_process', GIB)} "
+            f"| {_f(e.get('nvml_engine'), '{:.2f}', GIB)}{delta('nvml_engine', GIB)} "
+            f"| {', '.join(e.get('side_by_side_with') or []) or '-'} "
             f"| {(e.get('error') or '')[:120]} |")
     lines.append("")
     lines.append("## Checks")

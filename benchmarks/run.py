@@ -191,22 +191,24 @@ class Prompts:
 
 
 class EngineRun:
-    """One engine in one worker process: builds it, then runs its plan of timed generates."""
+    """The engines of one worker process (one, or several side by side): builds them, then runs
+    their plan of timed generates, taking turns scenario by scenario."""
 
     def __init__(self, job: dict):
         self.job = job
         self.shape = S.MODELS[job["model"]]
-        self.engine = S.ENGINES[job["engine"]]
+        self.engine_names: list[str] = job["engines"]
         self.plan = [(S.Workload(**w), [S.SCENARIOS[n] for n in names]) for w, names in job["plan"]]
         self.events = open(job["events"], "a", buffering=1)
         self.nvml = Nvml()
         self.prompts = Prompts(self.shape.vocab)
-        self.llm = self.api = None
+        self.llms: dict = {}  # engine name -> LLM
+        self.api = None
         self.stream_layers: dict[str, list[int]] = {}
         self.unavailable: dict[str, str] = {}
 
-    def emit(self, **record) -> None:
-        self.events.write(json.dumps({"engine": self.engine.name, **record}) + "\n")
+    def emit(self, engine: str, **record) -> None:
+        self.events.write(json.dumps({"engine": engine, **record}) + "\n")
         self.events.flush()
 
     def pids(self) -> list[int]:
@@ -218,62 +220,79 @@ class EngineRun:
         return SamplingParams(max_tokens=max_tokens or w.new_tokens, ignore_eos=True,
                               temperature=0.0, detokenize=False)
 
+    def shutdown(self) -> None:
+        for llm in self.llms.values():
+            try:
+                llm.llm_engine.engine_core.shutdown(timeout=30)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+
     def start(self) -> None:
-        kwargs = dict(self.job["engine_kwargs"])
+        for name in self.engine_names:
+            self.start_engine(name)
+
+    def start_engine(self, name: str) -> None:
+        kwargs = dict(self.job["engine_kwargs"][name])
+        used_before = self.nvml.used()
         t0 = time.perf_counter()
-        if self.engine.capture:
+        if S.ENGINES[name].capture:
             import vllm_capture as vc
             from vllm_capture import api
 
-            self.api, self.llm = api, vc.LLM(self.job["model_dir"], **kwargs)
+            self.api, llm = api, vc.LLM(self.job["model_dir"], **kwargs)
         else:
             from vllm import LLM
 
-            self.llm = LLM(self.job["model_dir"], **kwargs)
+            llm = LLM(self.job["model_dir"], **kwargs)
+        self.llms[name] = llm
+        used = self.nvml.used()
         info = {"init_s": time.perf_counter() - t0, "engine_kwargs": kwargs,
-                "nvml_used": self.nvml.used(), "nvml_process": self.nvml.process_bytes(self.pids())}
-        if self.api is not None:
+                # What this engine took (others of the worker may share the GPU).
+                "nvml_engine": None if None in (used, used_before) else used - used_before}
+        if S.ENGINES[name].capture:
             for stream in S.HIDDEN, S.HEADS, S.ROUTER:
-                status = self.api.capture_status(self.llm, stream)
+                status = self.api.capture_status(llm, stream)
                 self.stream_layers[stream] = sorted(int(k) for k in status.get("layouts", {}))
                 info["capture_allocation_bytes"] = status.get("graph_allocation_bytes")
                 info["capture_buffer_bytes"] = status.get("graph_buffer_bytes")
             info["hooked_layers"] = {k: len(v) for k, v in self.stream_layers.items()}
-            self.touch_streams()
-        self.emit(type="engine", **info)
+            self.touch_streams(name)
+        self.emit(name, type="engine", **info)
 
-    def touch_streams(self) -> None:
+    def touch_streams(self, engine: str) -> None:
         """Enable each capture of the plan once on a small generate: first-use costs leave the
         timed reps, and a capture the model cannot serve is found (and skipped) here."""
         w = S.Workload("touch", 8, 4, 2)
-        for cap in {s.capture for _, scens in self.plan for s in scens if s.capture}:
+        llm = self.llms[engine]
+        for cap in {s.capture for _, scens in self.plan for s in scens
+                    if s.capture and s.engine == engine}:
             key = f"{cap.stream}/{cap.layers}/{cap.reduce}"
             if not self.stream_layers.get(cap.stream):
                 self.unavailable[key] = f"{cap.stream} is not instrumented on this model"
                 continue
             try:
-                self.api.start_capture(self.llm, cap.stream, layers=cap.layer_ids(self.shape),
+                self.api.start_capture(llm, cap.stream, layers=cap.layer_ids(self.shape),
                                        reduce=cap.reduce)
-                self.llm.generate(self.prompts.make(w), self.params(w), use_tqdm=False)
-                self.api.fetch_captured(self.llm, cap.stream, clear=True)
+                llm.generate(self.prompts.make(w), self.params(w), use_tqdm=False)
+                self.api.fetch_captured(llm, cap.stream, clear=True)
             except Exception as exc:  # noqa: BLE001 - reported per scenario, the rest goes on
                 self.unavailable[key] = f"start/fetch failed: {exc!r}"[:500]
             finally:
                 try:
-                    self.api.stop_capture(self.llm, cap.stream)
+                    self.api.stop_capture(llm, cap.stream)
                 except Exception:  # noqa: BLE001
                     pass
 
-    def counters(self) -> dict:
+    def counters(self, engine: str) -> dict:
         """Cumulative counters of rank 0; ``measure`` reports their change over one generate."""
-        if self.api is None:
+        if not S.ENGINES[engine].capture:
             return {}
-        st = self.api.capture_status(self.llm, S.HIDDEN)
+        st = self.api.capture_status(self.llms[engine], S.HIDDEN)
         timers = st.get("host_timers") or {}
         return {"graph_replays": st.get("graph_replays"), "eager_forwards": st.get("eager_capture_forwards"),
                 **{f"host_{k}": v for k, v in timers.items()}}
 
-    def drain(self, cap: S.Capture, w: S.Workload) -> dict:
+    def drain(self, llm, cap: S.Capture, w: S.Workload) -> dict:
         """fetch_captured(clear=True) until the stream is empty; bytes and rows in the client's hands."""
         layers = cap.layer_ids(self.shape) or self.stream_layers[cap.stream]
         item = 4 if cap.stream == S.ROUTER else self.job["dtype_bytes"]
@@ -282,7 +301,7 @@ class EngineRun:
         peak = 0
         t = time.perf_counter()
         for group in S.layer_groups(layers, per_layer, MAX_FETCH_MESSAGE):
-            tensors, meta, _ = self.api.fetch_captured(self.llm, cap.stream, clear=True, layers=group)
+            tensors, meta, _ = self.api.fetch_captured(llm, cap.stream, clear=True, layers=group)
             for x in tensors.values():
                 rows += int(x.shape[0])
                 positions = max(positions, int(x.shape[0]))
@@ -293,29 +312,29 @@ class EngineRun:
                 "bytes": nbytes, "client_rss_at_fetch": peak or None}
 
     def measure(self, scen: S.Scenario, w: S.Workload, rep: int) -> dict:
-        cap = scen.capture
-        before = self.counters()
+        cap, llm = scen.capture, self.llms[scen.engine]
+        before = self.counters(scen.engine)
         if cap is not None:
-            self.api.start_capture(self.llm, cap.stream, layers=cap.layer_ids(self.shape),
+            self.api.start_capture(llm, cap.stream, layers=cap.layer_ids(self.shape),
                                    reduce=cap.reduce)
         batch, params = self.prompts.make(w), self.params(w)
         pids = self.pids()
         reset_peak_rss(pids)
         t = time.perf_counter()
-        outs = self.llm.generate(batch, params, use_tqdm=False)
+        outs = llm.generate(batch, params, use_tqdm=False)
         rec = {"type": "measure", "workload": w.name, "scenario": scen.name, "rep": rep,
                "gen_s": time.perf_counter() - t,
                "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs)}
         if cap is not None:
             try:
-                rec.update(self.drain(cap, w))
-                rec["dropped"] = int(self.api.capture_status(self.llm, cap.stream).get("tokens_dropped") or 0)
+                rec.update(self.drain(llm, cap, w))
+                rec["dropped"] = int(self.api.capture_status(llm, cap.stream).get("tokens_dropped") or 0)
                 layers = cap.layer_ids(self.shape) or self.stream_layers[cap.stream]
                 rec["rows_expected"] = cap.rows_per_layer(w) * len(layers)
             finally:
-                self.api.stop_capture(self.llm, cap.stream)
-        after = self.counters()
+                self.api.stop_capture(llm, cap.stream)
+        after = self.counters(scen.engine)
         rec.update({k: after[k] - before[k] for k in after if after[k] is not None and before.get(k) is not None})
         rec.update(client_peak_rss=_proc_status(os.getpid(), "VmHWM"),
                    engine_peak_rss=peak_rss(descendants(os.getpid())),
@@ -329,17 +348,20 @@ class EngineRun:
             for s in scens:
                 why = s.capture and self.unavailable.get(f"{s.capture.stream}/{s.capture.layers}/{s.capture.reduce}")
                 if why:
-                    self.emit(type="skip", workload=w.name, scenario=s.name, reason=why)
+                    self.emit(s.engine, type="skip", workload=w.name, scenario=s.name, reason=why)
                 else:
                     ready.append(s)
             now = time.time()
             if now > hard or (i > 0 and now > deadline):
                 self._skip(w, ready, "time budget spent before this workload")
                 continue
-            t = time.perf_counter()
-            self.llm.generate(self.prompts.make(w), self.params(w), use_tqdm=False)  # warm-up
-            warm = time.perf_counter() - t
-            self.emit(type="warmup", workload=w.name, seconds=warm)
+            warm = 0.0
+            for name in dict.fromkeys(s.engine for s in ready):
+                t = time.perf_counter()
+                self.llms[name].generate(self.prompts.make(w), self.params(w), use_tqdm=False)
+                seconds = time.perf_counter() - t
+                warm = max(warm, seconds)
+                self.emit(name, type="warmup", workload=w.name, seconds=seconds)
             # Capture scenarios also fetch; budget them at 1.5 warm-ups each.
             if i > 0 and not S.workload_fits(time.time(), deadline, warm * 1.5, self.job["reps"] * len(ready)):
                 self._skip(w, ready, f"time budget: {self.job['reps'] * len(ready)} generates of ~{warm:.1f} s "
@@ -349,9 +371,10 @@ class EngineRun:
                 if time.time() > hard:
                     self._skip(w, ready, f"time budget spent after {rep} rep(s)")
                     break
-                for s in list(ready):  # interleaved: slow drift hits every scenario alike
+                # Interleaved (engines too, when side by side): drift hits every scenario alike.
+                for s in list(ready):
                     try:
-                        self.emit(**self.measure(s, w, rep))
+                        self.emit(s.engine, **self.measure(s, w, rep))
                     except Exception as exc:  # noqa: BLE001 - one scenario's failure is a result
                         traceback.print_exc()
                         ready.remove(s)
@@ -359,7 +382,7 @@ class EngineRun:
 
     def _skip(self, w: S.Workload, scens, reason: str) -> None:
         for s in scens:
-            self.emit(type="skip", workload=w.name, scenario=s.name, reason=reason)
+            self.emit(s.engine, type="skip", workload=w.name, scenario=s.name, reason=reason)
 
 
 def engine_worker(job_path: str) -> int:
@@ -370,17 +393,14 @@ def engine_worker(job_path: str) -> int:
         run.run()
     except BaseException as exc:  # noqa: BLE001 - the parent reports it and goes on
         traceback.print_exc()
-        run.emit(type="error", error=f"{type(exc).__name__}: {exc}"[:2000])
+        failed = next((e for e in run.engine_names if e not in run.llms), run.engine_names[-1])
+        run.emit(failed, type="error", error=f"{type(exc).__name__}: {exc}"[:2000])
         rc = 1
     # Shut the engine core down, then leave without the interpreter-exit teardown (which can
     # hang on engine threads); the parent reaps whatever is left of this process group.
     sys.stdout.flush()
-    threading.Timer(60.0, os._exit, args=(rc,)).start()
-    if run.llm is not None:
-        try:
-            run.llm.llm_engine.engine_core.shutdown(timeout=30)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+    threading.Timer(30.0 + 30.0 * len(run.llms), os._exit, args=(rc,)).start()
+    run.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
@@ -391,9 +411,10 @@ def engine_worker(job_path: str) -> int:
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
-def parse_kv_cache_tokens(log_text: str) -> int | None:
-    hits = KV_TOKENS.findall(log_text)
-    return int(hits[-1].replace(",", "")) if hits else None
+def parse_kv_cache_tokens(log_text: str, engines: int = 1) -> list[int | None]:
+    """KV cache tokens of each of the ``engines`` a worker started, in start order."""
+    hits = [int(h.replace(",", "")) for h in KV_TOKENS.findall(log_text)]
+    return hits[-engines:] if len(hits) >= engines else [None] * engines
 
 
 def results_dir(out: str | Path, suite: S.Suite, stamp: str) -> Path:
@@ -533,54 +554,63 @@ class Suite:
     def run_engines(self, model_dir: Path) -> None:
         from tqdm import tqdm
 
-        names = self.suite.engines_for(self.shape)
+        groups = S.engine_groups(self.suite, self.shape)
         plans = {}
-        for e in names:
-            plans[e], skips = S.plan_engine(self.suite, self.shape, e)
+        for g in groups:
+            plans[tuple(g)], skips = S.plan_group(self.suite, self.shape, g)
             self.skipped += skips
-        total = sum(self.suite.reps * len(scens) for e in names for _, scens in plans[e])
+        total = sum(self.suite.reps * len(scens) for plan in plans.values() for _, scens in plan)
         startups = {False: self.shape.startup_s[0], True: self.shape.startup_s[1]}
+
+        def startup(group):
+            return sum(startups[S.ENGINES[e].eager] for e in group)
+
         # Piped (gpu_session.sh), tqdm cannot redraw: refresh rarely so the log's tail stays readable.
         bar = tqdm(total=total, desc="benchmark", unit="gen", file=sys.stderr,
                    mininterval=2.0 if sys.stderr.isatty() else 30.0)
-        for i, name in enumerate(names):
-            rest = names[i:]
+        for i, group in enumerate(groups):
+            rest, plan, label = groups[i:], plans[tuple(group)], "+".join(group)
             now = time.time()
-            # An engine that cannot even finish starting before the workers are stopped is not started.
-            if self.hard_end - now < 0.8 * startups[S.ENGINES[name].eager] + 20:
-                for w, scens in plans[name]:
-                    self.skipped += [{"engine": name, "workload": w.name, "scenario": s.name,
+            # Engines that cannot even finish starting before the workers are stopped are not started.
+            if self.hard_end - now < 0.8 * startup(group) + 20:
+                for w, scens in plan:
+                    self.skipped += [{"engine": s.engine, "workload": w.name, "scenario": s.name,
                                       "reason": "time budget spent before this engine"} for s in scens]
-                self.engines[name] = {"error": "not started: time budget spent"}
+                for e in group:
+                    self.engines[e] = {"error": "not started: time budget spent"}
                 continue
-            deadline = S.engine_deadline(now, self.end, [startups[S.ENGINES[e].eager] for e in rest],
-                                         [S.engine_weight(self.suite, self.shape, e) for e in rest])
-            bar.set_postfix_str(f"{name}: starting")
-            tqdm.write(f"[{time.time() - self.t0:5.0f} s] {name}: starting (soft deadline in "
+            deadline = S.engine_deadline(
+                now, self.end, [startup(g) for g in rest],
+                [sum(S.engine_weight(self.suite, self.shape, e) for e in g) for g in rest])
+            bar.set_postfix_str(f"{label}: starting")
+            tqdm.write(f"[{time.time() - self.t0:5.0f} s] {label}: starting (soft deadline in "
                        f"{deadline - now:.0f} s)", file=sys.stderr)
-            info = self.run_engine(name, model_dir, plans[name], deadline, bar)
-            tqdm.write(f"[{time.time() - self.t0:5.0f} s] {name}: done (init {info.get('init_s') or 0:.0f} s"
-                       f"{', ' + info['error'][:200] if info.get('error') else ''})", file=sys.stderr)
-            if info.get("init_s"):
-                startups[S.ENGINES[name].eager] = info["init_s"]
+            infos = self.run_group(group, model_dir, plan, deadline, bar)
+            for e, info in infos.items():
+                tqdm.write(f"[{time.time() - self.t0:5.0f} s] {e}: done (init {info.get('init_s') or 0:.0f} s"
+                           f"{', ' + info['error'][:200] if info.get('error') else ''})", file=sys.stderr)
+                if info.get("init_s"):
+                    startups[S.ENGINES[e].eager] = info["init_s"]
             self.write()
         bar.close()
 
-    def run_engine(self, name: str, model_dir: Path, plan, deadline: float, bar) -> dict:
-        events = self.work / f"{name}.events.jsonl"
-        job = {"engine": name, "model": self.shape.key, "model_dir": str(model_dir),
-               "engine_kwargs": S.engine_kwargs(self.suite, self.shape, name),
+    def run_group(self, group: list[str], model_dir: Path, plan, deadline: float, bar) -> dict:
+        """One worker process running ``group``'s engines; their info, by engine name."""
+        label = "+".join(group)
+        events = self.work / f"{label}.events.jsonl"
+        job = {"engines": group, "model": self.shape.key, "model_dir": str(model_dir),
+               "engine_kwargs": {e: S.engine_kwargs(self.suite, self.shape, e) for e in group},
                "plan": [(asdict(w), [s.name for s in scens]) for w, scens in plan],
                "reps": self.suite.reps, "deadline": deadline, "hard_deadline": self.hard_end - 20,
                "dtype_bytes": S.dtype_bytes(self.suite, self.shape), "events": str(events)}
-        job_path = self.work / f"{name}.job.json"
+        job_path = self.work / f"{label}.job.json"
         job_path.write_text(json.dumps(job))
-        info: dict = {}
+        infos: dict[str, dict] = {e: {} for e in group}
 
         def on_event(ev: dict) -> None:
-            kind = ev.pop("type")
+            kind, name = ev.pop("type"), ev["engine"]
             if kind == "engine":
-                info.update(ev)
+                infos[name].update(ev)
                 bar.set_postfix_str(f"{name}: up in {ev['init_s']:.0f} s")
             elif kind == "measure":
                 self.measurements.append(ev)
@@ -590,26 +620,35 @@ class Suite:
                 self.skipped.append(ev)
                 bar.update(self.suite.reps)
             elif kind == "error":
-                info["error"] = ev["error"]
-        log = self.work / f"{name}.log"
+                infos[name]["error"] = ev["error"]
+        log = self.work / f"{label}.log"
         rc = run_subprocess(["--engine-worker", str(job_path)], log, self.env, self.hard_end,
                             on_event, events)
         text = log.read_text(errors="replace")
-        info["kv_cache_tokens"] = parse_kv_cache_tokens(text)
-        info["returncode"] = rc
-        if rc != 0 and "error" not in info:
-            info["error"] = f"worker exited with {rc}"
-        if info.get("error"):
-            print(f"\n{name}: {info['error']}\n" + "\n".join(text.splitlines()[-25:]), flush=True)
+        started = [e for e in group if infos[e].get("init_s") is not None]
+        for e, tokens in zip(started, parse_kv_cache_tokens(text, len(started))):
+            infos[e]["kv_cache_tokens"] = tokens
+        failure = next((i["error"] for i in infos.values() if i.get("error")), None)
+        for e in group:
+            infos[e]["returncode"] = rc
+            if rc != 0 and "error" not in infos[e]:
+                infos[e]["error"] = (f"not started: {failure[:300]}" if failure and e not in started
+                                     else f"worker exited with {rc}")
+        if failure or rc != 0:
+            print(f"\n{label}: {failure or f'worker exited with {rc}'}\n"
+                  + "\n".join(text.splitlines()[-25:]), flush=True)
         seen = {(m["workload"], m["scenario"]) for m in self.measurements + self.skipped
-                if m.get("engine") == name}
-        self.skipped += [{"engine": name, "workload": w.name, "scenario": s.name,
-                          "reason": f"not measured: {info.get('error') or 'worker ended early'}"}
+                if m.get("engine") in group}
+        self.skipped += [{"engine": s.engine, "workload": w.name, "scenario": s.name,
+                          "reason": f"not measured: {infos[s.engine].get('error') or 'worker ended early'}"}
                          for w, scens in plan for s in scens if (w.name, s.name) not in seen]
-        self.engines[name] = {k: v for k, v in info.items() if k != "engine"}
+        for e in group:
+            self.engines[e] = {k: v for k, v in infos[e].items() if k != "engine"}
+            if len(group) > 1:
+                self.engines[e]["side_by_side_with"] = [x for x in group if x != e]
         tail = text.splitlines()[-LOG_TAIL_LINES:]
-        self.log_tails.append(f"===== {name} (rc={rc}, last {len(tail)} lines) =====\n" + "\n".join(tail))
-        return info
+        self.log_tails.append(f"===== {label} (rc={rc}, last {len(tail)} lines) =====\n" + "\n".join(tail))
+        return infos
 
     # -- report --
 

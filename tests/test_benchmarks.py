@@ -2,6 +2,7 @@
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -111,6 +112,41 @@ def test_engine_kwargs_differ_only_where_they_must():
     cpu = S.make_suite("tiny-cpu")
     kw = S.engine_kwargs(cpu, S.MODELS["tiny"], "vanilla-graph")
     assert kw["enforce_eager"] is True and "gpu_memory_utilization" not in kw and "load_format" not in kw
+
+
+def test_graph_engines_run_side_by_side_when_the_weights_fit_twice():
+    full = S.make_suite("full", "8b")
+    assert S.MODELS["8b"].weight_bytes == pytest.approx(16.06e9, rel=0.01)  # Llama-3.1-8B: 8.03B params
+    assert S.MODELS["moe"].weight_bytes == pytest.approx(61.1e9, rel=0.01)  # Qwen3-30B-A3B: 30.5B
+    assert S.engine_groups(full, S.MODELS["8b"]) == [["vanilla-graph", "capture-graph"],
+                                                     ["capture-eager"], ["vanilla-eager"]]
+    assert S.engine_groups(full, S.MODELS["moe"]) == [[e] for e in full.engines_for(S.MODELS["moe"])]
+    # side by side, the two engines share the memory one engine has alone
+    for e in ("vanilla-graph", "capture-graph"):
+        assert S.engine_kwargs(full, S.MODELS["8b"], e)["gpu_memory_utilization"] == pytest.approx(0.425)
+    assert S.engine_kwargs(full, S.MODELS["8b"], "capture-eager")["gpu_memory_utilization"] == 0.85
+    assert S.engine_kwargs(full, S.MODELS["moe"], "capture-graph")["gpu_memory_utilization"] == 0.85
+    apart = S.engine_groups(replace(full, side_by_side=False), S.MODELS["8b"])
+    assert all(len(g) == 1 for g in apart)
+    cpu = S.make_suite("tiny-cpu")
+    assert S.engine_groups(cpu, S.MODELS["tiny"])[0] == ["vanilla-graph", "capture-graph"]
+    assert "gpu_memory_utilization" not in S.engine_kwargs(cpu, S.MODELS["tiny"], "capture-graph")
+
+
+def test_plan_group_alternates_engines_within_each_workload():
+    suite = S.select(S.make_suite("full", "8b"), workloads="decode-c64,prefill-c64")
+    plan, skips = S.plan_group(suite, S.MODELS["8b"], ["vanilla-graph", "capture-graph"])
+    assert [w.name for w, _ in plan] == ["decode-c64", "prefill-c64"]
+    assert [s.name for s in plan[0][1]] == ["vanilla", "idle", "hidden-last", "hidden-4l", "heads-4l", "heavy"]
+    assert "heavy" not in [s.name for s in plan[1][1]]
+    assert [(s["workload"], s["scenario"]) for s in skips] == [("prefill-c64", "heavy")]
+
+
+def test_kv_cache_tokens_of_engines_side_by_side():
+    log = "INFO ... GPU KV cache size: 1,000 tokens\nINFO Maximum concurrency ...\nKV cache size: 900 tokens\n"
+    assert parse_kv_cache_tokens(log, 2) == [1000, 900]
+    assert parse_kv_cache_tokens(log, 1) == [900]
+    assert parse_kv_cache_tokens("", 2) == [None, None]
 
 
 def test_select_engines_and_workloads():
@@ -261,8 +297,8 @@ def _report(ms):
     return {"suite": "quick", "model": "1b", "model_label": "Llama-3.2-1B", "date": "20260101-000000",
             "dry_run": False, "reps": 2, "env": {"command": "python3 benchmarks/run.py --suite quick"},
             "d2h": {"pinned_gbps": 54.6, "by_size_gbps": {"64": 50.0}, "pageable_gbps": 12.0},
-            "engines": {"vanilla-graph": {"init_s": 80.0, "kv_cache_tokens": 1000, "nvml_used": 2**30},
-                        "capture-graph": {"init_s": 82.0, "kv_cache_tokens": 900, "nvml_used": 2**30,
+            "engines": {"vanilla-graph": {"init_s": 80.0, "kv_cache_tokens": 1000, "nvml_engine": 2**30},
+                        "capture-graph": {"init_s": 82.0, "kv_cache_tokens": 900, "nvml_engine": 2**30,
                                           "capture_allocation_bytes": 2**29}},
             "table": table, "checks": R.evaluate(table, 54.6), "skipped": [
                 {"engine": "capture-graph", "workload": "decode-c64", "scenario": "heavy", "reason": "x"}],
@@ -299,7 +335,3 @@ def test_results_dir_is_two_levels_with_safe_names(tmp_path):
     assert d.relative_to(tmp_path).parts == ("results", "20260101-120000-full-tiny-moe")
 
 
-def test_parse_kv_cache_tokens():
-    log = "INFO ... GPU KV cache size: 1,234,567 tokens\nINFO Maximum concurrency ..."
-    assert parse_kv_cache_tokens(log) == 1234567
-    assert parse_kv_cache_tokens("nothing") is None

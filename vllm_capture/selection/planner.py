@@ -14,6 +14,8 @@ never duplicate or mislabel rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 
 import numpy as np
 
@@ -136,32 +138,43 @@ class _Scan:
     row_start: np.ndarray  # first row of the request this step (new or not)
     end_position: np.ndarray  # one past the request's last position this step
 
+    next_position: np.ndarray  # each track's high-water mark before this step
+
     def advance(self) -> None:
-        for track, end in zip(self.tracks, self.end_position.tolist()):
-            if end > track.next_position:
-                track.next_position = end
+        grown = self.end_position > self.next_position
+        for track, end in zip(compress(self.tracks, grown.tolist()),
+                              self.end_position[grown].tolist()):
+            track.next_position = end
+
+
+# Planning runs on every step: per-request work goes through C-level map/fromiter, not Python loops.
+_NEXT_POSITION = attrgetter("next_position")
+_SELECT = attrgetter("select")
+_PROMPT_LEN = attrgetter("prompt_len")
+_REQ_INDEX = attrgetter("req_index")
 
 
 def _scan(geometry: BatchGeometry, tracks: dict[str, RequestTrack]) -> _Scan:
-    tracked = [
-        (i, t) for i, rid in enumerate(geometry.req_ids) if (t := tracks.get(rid)) is not None
-    ]
-    req = np.fromiter((i for i, _ in tracked), dtype=np.int64, count=len(tracked))
-    next_position = np.fromiter(
-        (t.next_position for _, t in tracked), dtype=np.int64, count=len(tracked)
-    )
+    found = list(map(tracks.get, geometry.req_ids))
+    if None in found:
+        req = np.fromiter((i for i, t in enumerate(found) if t is not None), dtype=np.int64)
+        found = [t for t in found if t is not None]
+    else:
+        req = np.arange(len(found), dtype=np.int64)
+    next_position = np.fromiter(map(_NEXT_POSITION, found), dtype=np.int64, count=len(found))
     qsl = geometry.query_start_loc.astype(np.int64)
     row_start, row_end = qsl[req], qsl[req + 1]
     first_position = geometry.num_computed[req]
     skip = np.clip(next_position - first_position, 0, row_end - row_start)
     return _Scan(
-        tracks=[t for _, t in tracked],
+        tracks=found,
         req=req,
         first_row=row_start + skip,
         num_new=row_end - row_start - skip,
         first_position=first_position,
         row_start=row_start,
         end_position=first_position + (row_end - row_start),
+        next_position=next_position,
     )
 
 
@@ -185,7 +198,7 @@ def plan_rows(
     positions = scan.first_position[owner] + (rows - scan.row_start[owner])
 
     prompt_len = np.fromiter(
-        (t.prompt_len for t in scan.tracks), dtype=np.int64, count=len(scan.tracks)
+        map(_PROMPT_LEN, scan.tracks), dtype=np.int64, count=len(scan.tracks)
     )[owner]
     step = _StepRows(geometry, scan.tracks, owner, rows, positions, prompt_len)
 
@@ -205,7 +218,7 @@ def plan_rows(
     if condition_list:
         condition, condition_list = _compact_conditions(condition, condition_list)
     req_index = np.fromiter(
-        (t.req_index for t in scan.tracks), dtype=np.int32, count=len(scan.tracks)
+        map(_REQ_INDEX, scan.tracks), dtype=np.int32, count=len(scan.tracks)
     )
     scan.advance()
     return RowPlan(
@@ -312,13 +325,12 @@ def plan_segments(
     Reductions take whole requests, so a clause (``select``) on a track is a caller bug.
     """
     scan = _scan(geometry, tracks)
-    for track in scan.tracks:
-        if track.select is not None:
-            raise ValueError("plan_segments: reduce='last'/'mean' streams take no select clause")
+    if any(s is not None for s in set(map(_SELECT, scan.tracks))):
+        raise ValueError("plan_segments: reduce='last'/'mean' streams take no select clause")
     has_rows = np.flatnonzero(scan.num_new > 0)
-    req_ids = geometry.req_ids
     try:
-        slot = [slots[req_ids[i]] for i in scan.req[has_rows].tolist()]
+        slot = list(map(slots.__getitem__, map(geometry.req_ids.__getitem__,
+                                               scan.req[has_rows].tolist())))
     except KeyError as exc:
         raise ValueError(
             f"plan_segments: no accumulator slot for request {exc.args[0]!r}"
