@@ -625,6 +625,7 @@ def test_launch_checks_layout():
         dict(ring_labels=torch.zeros(1, 4, 2, dtype=torch.int32)),
         dict(site=torch.zeros(2, dtype=torch.int64)),
         dict(plan=torch.zeros(4, 8, dtype=torch.int32)[:, ::2]),
+        dict(plan=torch.zeros(4, 4, dtype=torch.int32)),  # field-major: the kernel reads entry-major
     ]
     for override in bad:
         bb = dict(b, **override)

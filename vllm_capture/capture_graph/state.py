@@ -63,9 +63,9 @@ class RingGroup:
 class StreamPlanBuffers:
     """Per-component plan, shared by all of its sites: one H2D copy per step."""
 
-    buffer: torch.Tensor  # int32 [META_SIZE + PLAN_ROWS * capacity], device
+    buffer: torch.Tensor  # int32 [META_FIELDS + PLAN_FIELDS * capacity], device
     meta: torch.Tensor  # view: int32 [META_SIZE]
-    plan: torch.Tensor  # view: int32 [PLAN_ROWS, capacity]
+    plan: torch.Tensor  # view: int32 [PLAN_FIELDS, capacity], entry-major
     host: np.ndarray  # the host image of ``buffer``
     mode: int = L.MODE_OFF
     count: int = 0
@@ -136,7 +136,7 @@ class CaptureGraphState:
             self.streams[component] = StreamPlanBuffers(
                 buffer=buf,
                 meta=buf[: L.META_FIELDS],
-                plan=buf[L.META_FIELDS:].view(L.PLAN_FIELDS, columns),
+                plan=L.plan_view(buf[L.META_FIELDS:]),
                 host=np.zeros(buf.numel(), dtype=np.int32),
             )
             nbytes += buf.numel() * 4
@@ -220,10 +220,12 @@ class CaptureGraphState:
         host[L.META_MODE] = mode
         host[L.META_COUNT] = count
         host[L.META_SLOT] = buf.slot
-        plan = host[L.META_FIELDS:].reshape(L.PLAN_FIELDS, self.plan_columns)
+        plan = L.plan_view(host[L.META_FIELDS:])
         for i, col in enumerate(columns):
             plan[i, :count] = col
         buf.mode, buf.count = mode, count
+        # Entry-major: meta and this step's entries are one prefix; the rest is never read.
+        used = L.META_FIELDS + L.PLAN_FIELDS * count
         if self.device.type == "cuda":
             # The slot we are about to overwrite may still be copying out from two steps ago.
             pending = self._slot_free.get((id(buf), buf.slot))
@@ -231,10 +233,10 @@ class CaptureGraphState:
                 torch.cuda.current_stream(self.device).wait_event(pending)
             # A fresh pinned tensor per step: the caching host allocator keeps it alive until
             # the non-blocking copy has run, so the step never waits for the copy.
-            staged = torch.from_numpy(host.copy()).pin_memory()
-            buf.buffer.copy_(staged, non_blocking=True)
+            staged = torch.from_numpy(host[:used]).pin_memory()
+            buf.buffer[:used].copy_(staged, non_blocking=True)
         else:
-            buf.buffer.copy_(torch.from_numpy(host))
+            buf.buffer[:used].copy_(torch.from_numpy(host[:used]))
 
     def switch_off(self) -> None:
         """Set every stream's mode to off, so dummy, profile and capture runs capture nothing."""

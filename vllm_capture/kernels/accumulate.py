@@ -42,6 +42,7 @@ from .common import HAVE_TRITON, load_rows_f32, max0, sum0, tl, triton
 from .gather import _rows_f32, _token_ids
 
 if HAVE_TRITON:
+    _PLAN_FIELDS = tl.constexpr(L.PLAN_FIELDS)
     _SEG_START = tl.constexpr(L.PLAN_SEG_START)
     _SEG_COUNT = tl.constexpr(L.PLAN_SEG_COUNT)
     _SEG_SLOT = tl.constexpr(L.PLAN_SEG_SLOT)
@@ -83,9 +84,9 @@ if HAVE_TRITON:
         cols64 = cols.to(tl.int64)
         s = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         smask = s < n
-        start = tl.load(plan_ptr + _SEG_START * cap + s, mask=smask, other=0)
-        cnt = tl.load(plan_ptr + _SEG_COUNT * cap + s, mask=smask, other=0)
-        slot = tl.load(plan_ptr + _SEG_SLOT * cap + s, mask=smask, other=-1)
+        start = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_START, mask=smask, other=0)
+        cnt = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_COUNT, mask=smask, other=0)
+        slot = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_SLOT, mask=smask, other=-1)
         ok = smask & (cnt > 0) & (start >= 0) & (start <= T - cnt) & (slot >= 0) & (slot < n_acc)
         slot64 = slot.to(tl.int64)
         if IS_MEAN:
@@ -102,7 +103,7 @@ if HAVE_TRITON:
                 a_ptrs = acc_ptr + slot64[:, None] * W + cols64[None, :]
                 tl.store(a_ptrs, tl.load(a_ptrs, mask=m, other=0.0) + total, mask=m)
                 if pid_w == 0:
-                    req = tl.load(plan_ptr + _SEG_REQ * cap + s, mask=short, other=0)
+                    req = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_REQ, mask=short, other=0)
                     tl.store(acc_labels_ptr + slot64 * _LABEL_FIELDS + _LABEL_REQ, req, mask=short)
                     tl.atomic_add(acc_count_ptr + slot, cnt, mask=short)
             n_long = sum0((ok & (cnt > SHORT)).to(tl.int32))
@@ -110,9 +111,9 @@ if HAVE_TRITON:
                 for j in range(BLOCK_R):
                     sj = pid_r * BLOCK_R + j
                     if sj < n:
-                        st = tl.load(plan_ptr + _SEG_START * cap + sj)
-                        ct = tl.load(plan_ptr + _SEG_COUNT * cap + sj)
-                        sl = tl.load(plan_ptr + _SEG_SLOT * cap + sj)
+                        st = tl.load(plan_ptr + sj * _PLAN_FIELDS + _SEG_START)
+                        ct = tl.load(plan_ptr + sj * _PLAN_FIELDS + _SEG_COUNT)
+                        sl = tl.load(plan_ptr + sj * _PLAN_FIELDS + _SEG_SLOT)
                         if (ct > SHORT) & (st >= 0) & (st <= T - ct) & (sl >= 0) & (sl < n_acc):
                             part = tl.full([BLOCK_T, BLOCK_W], 0.0, tl.float32)
                             for t0 in range(0, ct, BLOCK_T):
@@ -127,7 +128,7 @@ if HAVE_TRITON:
                             tl.store(a_ptrs, tl.load(a_ptrs, mask=cmask, other=0.0) + sum0(part),
                                      mask=cmask)
                             if pid_w == 0:
-                                req = tl.load(plan_ptr + _SEG_REQ * cap + sj)
+                                req = tl.load(plan_ptr + sj * _PLAN_FIELDS + _SEG_REQ)
                                 tl.store(acc_labels_ptr + sl64 * _LABEL_FIELDS + _LABEL_REQ, req)
                                 tl.atomic_add(acc_count_ptr + sl, ct)
         else:
@@ -139,7 +140,7 @@ if HAVE_TRITON:
                               stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
             tl.store(acc_ptr + slot64[:, None] * W + cols64[None, :], v, mask=m)
             if pid_w == 0:
-                req = tl.load(plan_ptr + _SEG_REQ * cap + s, mask=ok, other=0)
+                req = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_REQ, mask=ok, other=0)
                 tok = tl.load(ids_ptr + last64 * stride_ids, mask=ok & (last < n_ids), other=_NO_TOKEN)
                 lab = acc_labels_ptr + slot64 * _LABEL_FIELDS
                 tl.store(lab + _LABEL_REQ, req, mask=ok)

@@ -160,11 +160,15 @@ def _check(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc
     for name, t in (("plan_meta", plan_meta), ("plan", plan), ("site", site), ("ring_labels", ring_labels),
                     ("acc_labels", acc_labels), ("acc_count", acc_count)):
         need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
-    for name, t in (("plan_meta", plan_meta), ("plan", plan), ("site", site), ("ring", ring),
+    for name, t in (("plan_meta", plan_meta), ("site", site), ("ring", ring),
                     ("ring_labels", ring_labels), ("acc", acc), ("acc_labels", acc_labels),
                     ("acc_count", acc_count)):
         need(t.is_contiguous(), f"{name} must be contiguous (it is a static buffer)")
         need(t.device == x.device, f"{name} on {t.device}, x on {x.device}")
+    need(cap <= 1 or plan.stride() == (1, L.PLAN_FIELDS),
+         f"plan must be entry-major, strides (1, {L.PLAN_FIELDS}) (layout.new_plan_buffers), "
+         f"got {plan.stride()}")
+    need(plan.device == x.device, f"plan on {plan.device}, x on {x.device}")
     return T, W, cap, slots, ring_cap, n_acc
 
 

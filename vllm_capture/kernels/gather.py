@@ -24,6 +24,7 @@ from .common import HAVE_TRITON, from_f32, load_rows_f32, tl, triton
 
 if HAVE_TRITON:
     # Triton only lets @jit code read module globals that are constexpr.
+    _PLAN_FIELDS = tl.constexpr(L.PLAN_FIELDS)
     _PLAN_ROW = tl.constexpr(L.PLAN_ROW)
     _PLAN_REQ = tl.constexpr(L.PLAN_REQ)
     _PLAN_POS = tl.constexpr(L.PLAN_POS)
@@ -49,7 +50,7 @@ if HAVE_TRITON:
         """
         r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < n
-        row = tl.load(plan_ptr + _PLAN_ROW * cap + r, mask=rmask, other=-1)
+        row = tl.load(plan_ptr + r * _PLAN_FIELDS + _PLAN_ROW, mask=rmask, other=-1)
         row_ok = rmask & (row >= 0) & (row < T)
         row64 = row.to(tl.int64)
         cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -63,8 +64,8 @@ if HAVE_TRITON:
                  from_f32(v, ring_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
         if pid_w == 0:
-            req = tl.load(plan_ptr + _PLAN_REQ * cap + r, mask=rmask, other=0)
-            pos = tl.load(plan_ptr + _PLAN_POS * cap + r, mask=rmask, other=0)
+            req = tl.load(plan_ptr + r * _PLAN_FIELDS + _PLAN_REQ, mask=rmask, other=0)
+            pos = tl.load(plan_ptr + r * _PLAN_FIELDS + _PLAN_POS, mask=rmask, other=0)
             tok = tl.load(ids_ptr + row64 * stride_ids, mask=row_ok & (row < n_ids), other=_NO_TOKEN)
             lab = ring_labels_ptr + dst * _LABEL_FIELDS
             tl.store(lab + _LABEL_REQ, req, mask=rmask)

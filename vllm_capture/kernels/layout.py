@@ -3,7 +3,7 @@
 Every buffer below is allocated once, before CUDA-graph capture, and never reallocated: a captured
 graph bakes in raw device addresses, so the host can only change what the kernel does by writing new
 *values* into these buffers (non-blocking H2D copies, stream-ordered before the forward). All index
-buffers are int32 and contiguous.
+buffers are int32 and contiguous (``plan`` is a transposed view of contiguous storage).
 
 Per stream (one stream = one selection feeding one or more sites):
 
@@ -13,7 +13,9 @@ Per stream (one stream = one selection feeding one or more sites):
     ``[META_SLOT]``  ring slot written this step (``MODE_ROWS`` only);
     ``[3]``          reserved, keep 0.
 
-``plan`` int32 ``[PLAN_FIELDS, cap]``
+``plan`` int32 ``[PLAN_FIELDS, cap]``, stored entry-major (strides ``(1, PLAN_FIELDS)``: the
+    fields of one entry are adjacent), so a step's plan is one contiguous prefix of
+    ``PLAN_FIELDS * count`` int32 and the host uploads only that.
     ``MODE_ROWS``: ``plan[PLAN_ROW, r]`` activation row, ``plan[PLAN_REQ, r]`` req_idx label,
     ``plan[PLAN_POS, r]`` position label (``plan[3]`` unused).
     ``MODE_LAST``/``MODE_MEAN``: ``plan[PLAN_SEG_START, s]`` first row, ``plan[PLAN_SEG_COUNT, s]``
@@ -84,7 +86,12 @@ INDEX_DTYPE = torch.int32
 def new_plan_buffers(cap: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed ``(plan_meta [META_FIELDS], plan [PLAN_FIELDS, cap])`` for one stream (mode off)."""
     return (torch.zeros(META_FIELDS, dtype=INDEX_DTYPE, device=device),
-            torch.zeros(PLAN_FIELDS, cap, dtype=INDEX_DTYPE, device=device))
+            plan_view(torch.zeros(cap * PLAN_FIELDS, dtype=INDEX_DTYPE, device=device)))
+
+
+def plan_view(storage):
+    """The ``[PLAN_FIELDS, cap]`` view of entry-major plan storage (a flat tensor or array)."""
+    return storage.reshape(-1, PLAN_FIELDS).T
 
 
 def new_site_buffer(device: torch.device | str, enabled: bool = True) -> torch.Tensor:
