@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL]
-#   SET: dense | moe | tp | profile | extract | bench-quick | bench-full   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | bench-quick | bench-full   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe)
 set -uo pipefail
 SET=${1:-dense}
@@ -25,6 +25,12 @@ case "$SET" in
     # Same compiled model without graphs: the op's eager path, for the bit-identity check.
     run llama_nograph --model llama --mode nograph
     compare llama_graph llama --against eager=/tmp/llama_eager.pt --against nograph=/tmp/llama_nograph.pt
+    ;;
+  verify)
+    # After a kernel or upload change: graph-mode rows of the tiny Llama against HF fp32 (what
+    # `dense` checks first, in a fifth of its time).
+    run llama_graph --model llama --mode graph
+    compare llama_graph llama
     ;;
   moe)
     # Qwen3-MoE and Mixtral run on the V1 runner; Qwen3-MoE's gate runs inside vLLM's fused-MoE op.
