@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.scenarios import BASELINE
+from benchmarks.scenarios import BASELINE, IDLE
 
 GIB = float(1 << 30)
 
@@ -91,9 +91,15 @@ def summarize(measurements: list[dict]) -> dict[str, dict[str, dict]]:
         table.setdefault(workload, {})[scenario] = agg
     for rows in table.values():
         base = rows.get(BASELINE, {}).get("tok_s")
+        idle = rows.get(IDLE, {})
         for agg in rows.values():
             agg["ratio"] = agg["tok_s"] / base if base else None
             agg["ratio_e2e"] = agg["tok_s_e2e"] / base if base else None
+            # The same engine with capture installed and off: what capturing itself costs,
+            # free of any difference between two engines.
+            same = idle.get("tok_s") and agg["engine"] == idle.get("engine")
+            agg["ratio_idle"] = agg["tok_s"] / idle["tok_s"] if same else None
+            agg["ratio_idle_e2e"] = agg["tok_s_e2e"] / idle["tok_s"] if same else None
     return table
 
 
@@ -210,17 +216,18 @@ def markdown(report: dict) -> str:
     lines.append(f"- pinned D2H bandwidth (this machine, this run): {_f(d2h.get('pinned_gbps'), '{:.1f}')} GB/s "
                  f"(by size MiB: {d2h.get('by_size_gbps', {})}); pageable {_f(d2h.get('pageable_gbps'), '{:.1f}')} GB/s")
     lines.append(f"- medians of {report.get('reps')} reps; ratios are to `vanilla` (CUDA graphs) of the "
-                 "same workload; e2e = generate + fetch_captured (rows in the client's hands)")
+                 "same workload; e2e = generate + fetch_captured (rows in the client's hands); "
+                 "vs idle = to `idle` on the same capture engine (capture's own cost)")
     if report.get("dry_run"):
         lines.append("- **dry run on CPU: every engine runs eagerly; thresholds are not meaningful**")
     for workload, rows in report["table"].items():
         lines.append("")
         lines.append(f"## {workload}")
         lines.append("")
-        lines.append("| scenario | engine | tok/s | ratio | tok/s e2e | ratio e2e | fetch s | rows/s | GB/s "
-                     "| B/token | rows (expected) | dropped | host ms/step (harvest) | client peak RSS GiB "
-                     "| engine peak RSS GiB |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("| scenario | engine | tok/s | ratio | tok/s e2e | ratio e2e | vs idle (e2e) | fetch s "
+                     "| rows/s | GB/s | B/token | rows (expected) | dropped | host ms/step (harvest) "
+                     "| client peak RSS GiB | engine peak RSS GiB |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, a in rows.items():
             expected = a.get("rows_expected")
             rows_txt = f"{a['rows']:.0f}" + (f" ({expected})" if expected is not None else "")
@@ -228,7 +235,8 @@ def markdown(report: dict) -> str:
                 rows_txt += " INCOMPLETE"
             lines.append(
                 f"| {name} | {a['engine']} | {_f(a['tok_s'], '{:.0f}')} | {_f(a['ratio'])} "
-                f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} | {_f(a['fetch_s'])} "
+                f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} "
+                f"| {_f(a.get('ratio_idle'))} ({_f(a.get('ratio_idle_e2e'))}) | {_f(a['fetch_s'])} "
                 f"| {_f(a['rows_s'], '{:.3g}')} | {_f(a['gbps'], '{:.2f}')} | {_f(a['bytes_per_token'], '{:.0f}')} "
                 f"| {rows_txt} | {a['dropped']} "
                 f"| {_f(a.get('host_ms_per_step'), '{:.3f}')} ({_f(a.get('harvest_ms_per_step'), '{:.3f}')}) "

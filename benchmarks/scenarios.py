@@ -178,6 +178,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("vanilla-eager", capture=False, eager=True),
 )}
 BASELINE = "vanilla"
+IDLE = "idle"  # capture installed, no stream: the reference for capture's own cost
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ _CAPTURES = (
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(BASELINE, "vanilla-graph", note="plain vllm.LLM, CUDA graphs (baseline)"),
     Scenario("vanilla-eager", "vanilla-eager", note="plain vllm.LLM, enforce_eager=True"),
-    Scenario("idle", "capture-graph", note="capture installed, no stream enabled"),
+    Scenario(IDLE, "capture-graph", note="capture installed, no stream enabled"),
     *(Scenario(n, "capture-graph", c, moe, heavy, note) for n, c, moe, heavy, note in _CAPTURES),
     *(Scenario(f"eager-{n}", "capture-eager", c, moe, heavy, f"{note}, enforce_eager=True")
       for n, c, moe, heavy, note in _CAPTURES),
@@ -275,7 +276,7 @@ class Suite:
 
 
 _ALL = tuple(SCENARIOS)
-_QUICK = (BASELINE, "idle", "hidden-last", "hidden-4l", "eager-hidden-last", "eager-hidden-4l")
+_QUICK = (BASELINE, IDLE, "hidden-last", "hidden-4l", "eager-hidden-last", "eager-hidden-4l")
 
 
 def make_suite(name: str, model: str | None = None) -> Suite:

@@ -240,6 +240,10 @@ def test_summarize_ratios_to_vanilla_of_the_same_workload():
     assert four["ratio_e2e"] == pytest.approx((1000 / (1000 / 950 + 0.1)) / 1000)
     assert t["prefill-c64"]["idle"]["ratio"] == pytest.approx(0.5)
     assert t["decode-c64"]["vanilla"]["engine"] == "vanilla-graph"
+    # against idle on the same capture engine; other engines get none
+    assert four["ratio_idle"] == pytest.approx(950 / 995)
+    assert four["ratio_idle_e2e"] == pytest.approx((1000 / (1000 / 950 + 0.1)) / 995)
+    assert t["decode-c64"]["vanilla"]["ratio_idle"] is None
 
 
 def test_summarize_without_baseline_gives_no_ratio():
