@@ -186,20 +186,12 @@ class CaptureWorkerExtension:
     def fetch_captured(self, stream: str, clear: bool = True, layers: list | None = None,
                        req_ids: list | None = None, shm_probe: dict | None = None) -> dict:
         session = self._capture_session()
-        # Rows go through shared memory only when this worker can read the client's probe file;
-        # then the store gathers them into recycled buffers that are written into the file.
-        rows_file = shm.RowsFile() if shm.worker_sees(shm_probe) else None
-        try:
-            with torch.inference_mode():
-                data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids,
-                                            raw_data=True,
-                                            rows_out=None if rows_file is None else rows_file.empty)
-        except BaseException:
-            if rows_file is not None:
-                rows_file.release()
-            raise
+        with torch.inference_mode():
+            data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids,
+                                        raw_data=True)
         reply = {**tp_rank_and_size(), "layers": {str(k): v for k, v in data.items()}}
-        return shm.write_reply(reply, rows_file)
+        # Rows go through shared memory only when this worker can read the client's probe file.
+        return shm.write_reply(reply, shared=shm.worker_sees(shm_probe))
 
     @_tagged_errors
     def clear_captured(self, stream: str) -> dict:

@@ -190,7 +190,7 @@ class CaptureSession:
             self._streams[stream] = None
 
     def fetch_stream(self, stream: str, clear: bool = True, layers: list[int] | None = None,
-                     req_ids: list[str] | None = None, raw_data: bool = False, rows_out=None
+                     req_ids: list[str] | None = None, raw_data: bool = False
                      ) -> dict[int, dict[str, Any]]:
         st = self._streams.get(stream)
         if st is None:
@@ -206,7 +206,7 @@ class CaptureSession:
         # Serialize and remove under one store lock: rows the harvest thread appends meanwhile
         # stay for the next fetch instead of being cleared unseen.
         result = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear,
-                                    raw_data=raw_data, rows_out=rows_out)
+                                    raw_data=raw_data)
         for layer, info in result.items():
             layout = self._layouts.get(stream, {}).get(layer)
             if layout:

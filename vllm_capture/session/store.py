@@ -17,7 +17,7 @@ import collections
 import functools
 import logging
 import threading
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -589,9 +589,8 @@ class StreamStore:
         spans = self._scan_spans(layer_id, wanted)
         return spans if spans.req.size else None
 
-    def _gather(self, layer_id: int, spans: _Spans, rows_out=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the spans' rows and labels out in wire order, the rows into
-        ``rows_out((rows, width), dtype)`` (default: a new tensor).
+    def _gather(self, layer_id: int, spans: _Spans) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the spans' rows and labels out in wire order.
 
         Wire order: requests by registration, each request's rows in append
         (chunk id) order.
@@ -600,13 +599,7 @@ class StreamStore:
         total = int(spans.length.sum())
         first = layer[int(spans.chunk[0])]
         if first.rows == total and (spans.chunk == spans.chunk[0]).all():
-            # Whole chunk, in wire order: no copy unless the rows must land in rows_out.
-            if rows_out is None:
-                return first.tensor, torch.from_numpy(first.meta)
-            rows = rows_out(tuple(first.tensor.shape), first.tensor.dtype)
-            np.copyto(_raw(rows), first.raw)
-            return rows, torch.from_numpy(first.meta)
-        rows_out = rows_out or _new_rows
+            return first.tensor, torch.from_numpy(first.meta)  # whole chunk, in wire order
         order = np.lexsort((spans.chunk, self._rank[spans.req]))
         dtypes = self._layer_dtypes[layer_id]
         if len(dtypes) > 1:  # only what these chunks hold
@@ -621,26 +614,25 @@ class StreamStore:
         ):
             # Many small spans per chunk (decode steps): a Python step per
             # span would dominate, so scatter each chunk's rows at once.
-            return self._scatter(layer, spans, order, total, rows_out(
-                (total, first.tensor.shape[1]), dtype))
+            return self._scatter(layer, spans, order, total, dtype)
         # Few or long spans: concatenate their row ranges in wire order.
         ends = spans.start + spans.length
         pieces = list(
             zip(spans.chunk[order].tolist(), spans.start[order].tolist(), ends[order].tolist())
         )
         meta = np.concatenate([layer[c].meta[s:e] for c, s, e in pieces])
-        rows = rows_out((total, first.tensor.shape[1]), dtype)
         if len(dtypes) > 1:
-            torch.cat([layer[c].tensor[s:e].to(dtype) for c, s, e in pieces], out=rows)
+            rows = torch.cat([layer[c].tensor[s:e].to(dtype) for c, s, e in pieces])
         elif total * first.raw[:1].nbytes >= _LARGE_COPY:
-            torch.cat([layer[c].tensor[s:e] for c, s, e in pieces], out=rows)
+            rows = torch.cat([layer[c].tensor[s:e] for c, s, e in pieces])
         else:
+            rows = torch.empty((total, first.tensor.shape[1]), dtype=dtype)
             np.concatenate([layer[c].raw[s:e] for c, s, e in pieces], out=_raw(rows))
         return rows, torch.from_numpy(meta)
 
     @staticmethod
     def _scatter(
-        layer: dict[int, _Chunk], spans: _Spans, order: np.ndarray, total: int, out: torch.Tensor
+        layer: dict[int, _Chunk], spans: _Spans, order: np.ndarray, total: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Many small spans per chunk: one row scatter per chunk.
 
@@ -659,6 +651,7 @@ class StreamStore:
         src_rows, dst_rows = starts[span_of] + within, dst[span_of] + within
         edges = _run_starts(chunk_ids)
         row_edges = first_row[edges].tolist() + [total]
+        out = torch.empty((total, layer[int(chunk_ids[0])].tensor.shape[1]), dtype=dtype)
         out_rows, out_meta = _raw(out), np.empty((total, 3), dtype=np.int32)
         for g, chunk_id in enumerate(chunk_ids[edges].tolist()):
             chunk = layer[chunk_id]
@@ -748,11 +741,9 @@ class StreamStore:
         req_ids: list[str] | None = None,
         clear_selected: bool = False,
         raw_data: bool = False,
-        rows_out: Callable[[tuple[int, int], torch.dtype], torch.Tensor] | None = None,
     ) -> dict[int, dict[str, Any]]:
         """Pack the selected rows as ``{layer_id: wire dict}`` (``raw_data``: see
-        ``serialize_capture_layer``). ``rows_out(shape, dtype)`` allocates the tensor each
-        layer's rows are gathered into (``shm.RowsFile.empty``: straight into shared memory).
+        ``serialize_capture_layer``).
 
         ``layers`` serializes a subset so clients can fetch layer by layer;
         ``req_ids`` (client-visible ids, or full engine ids) restricts the
@@ -783,7 +774,7 @@ class StreamStore:
                 if spans is None:
                     continue
                 result[layer_id] = serialize_capture_layer(
-                    *self._gather(layer_id, spans, rows_out),
+                    *self._gather(layer_id, spans),
                     self.req_table,
                     self.layer_names[layer_id],
                     raw_data=raw_data,
@@ -939,10 +930,6 @@ def _take(source: torch.Tensor, rows: np.ndarray | slice, dtype: torch.dtype) ->
         # mode="clip": rows are in range, and the default mode buffers ``out``.
         np.take(_raw(source), rows, axis=0, out=_raw(out), mode="clip")
     return out
-
-
-def _new_rows(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
 
 
 def _raw(tensor: torch.Tensor) -> np.ndarray:
