@@ -376,8 +376,8 @@ def engine_groups(suite: Suite, shape: ModelShape) -> list[list[str]]:
     (On CPU, ``force_eager``, the "graph" engines run eagerly but still side by side.)
     """
     engines = suite.engines_for(shape)
-    # Capture starts first: on 2026-11-30 the engine started second ran faster (1.29x in
-    # decode-c64 on the H200, capture second; unexplained), so any such edge goes to the baseline.
+    # Capture starts first, so that any edge of the engine started second goes to the baseline
+    # (two vanilla engines side by side showed none beyond per-generate noise: engine_order.py).
     graph = sorted((e for e in engines if not ENGINES[e].eager), key=lambda e: not ENGINES[e].capture)
     if (suite.side_by_side and len(graph) > 1
             and shape.weight_bytes <= SIDE_BY_SIDE_MAX_WEIGHT_BYTES):

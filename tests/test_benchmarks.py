@@ -210,7 +210,7 @@ def test_aggregate_medians():
     reps = [{"gen_s": s, "fetch_s": 0.5, "generated_tokens": 100, "rows": 10, "bytes": 1e9,
              "rows_expected": 10, "dropped": 0} for s in (1.0, 2.0, 4.0)]
     a = R.aggregate(reps)
-    assert a["reps"] == 3 and a["tok_s"] == 50.0 and a["gen_s"] == 2.0
+    assert a["reps"] == 3 and a["tok_s"] == 50.0 and a["gen_s"] == 2.0 and a["tok_s_best"] == 100.0
     assert a["tok_s_e2e"] == pytest.approx(100 / 2.5)
     assert a["gbps"] == pytest.approx(1 / 2.5) and a["bytes_per_token"] == 1e7
     assert a["complete"] is True
@@ -242,6 +242,7 @@ def test_summarize_ratios_to_vanilla_of_the_same_workload():
     assert t["decode-c64"]["vanilla"]["engine"] == "vanilla-graph"
     # against idle on the same capture engine; other engines get none
     assert four["ratio_idle"] == pytest.approx(950 / 995)
+    assert four["ratio_best"] == pytest.approx(950 / 1000)
     assert four["ratio_idle_e2e"] == pytest.approx((1000 / (1000 / 950 + 0.1)) / 995)
     assert t["decode-c64"]["vanilla"]["ratio_idle"] is None
 
