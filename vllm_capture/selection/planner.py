@@ -137,7 +137,6 @@ class _Scan:
     first_position: np.ndarray  # position of the request's first row this step
     row_start: np.ndarray  # first row of the request this step (new or not)
     end_position: np.ndarray  # one past the request's last position this step
-
     next_position: np.ndarray  # each track's high-water mark before this step
 
     def advance(self) -> None:
