@@ -36,12 +36,11 @@ def main() -> int:
     if len(kinds) != 2 or not set(kinds) <= {"vanilla", "capture"}:
         p.error("--kinds: two of vanilla|capture, comma-separated")
 
-    import numpy as np
     from vllm import LLM, SamplingParams
 
     import vllm_capture as vc
     from benchmarks import scenarios as S
-    from benchmarks.run import prepare_model
+    from benchmarks.run import Prompts, prepare_model
 
     shape = S.MODELS[args.model]
     folder = prepare_model(shape, Path(tempfile.mkdtemp(prefix="engine-order-")))
@@ -60,14 +59,13 @@ def main() -> int:
         llms.append(vc.LLM(str(folder), **kw) if kind == "capture" else LLM(str(folder), **kw))
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0,
                             detokenize=False)
-    rng = np.random.default_rng(0)
+    workload, prompts = S.decode(args.concurrency, new_tokens=args.new_tokens), Prompts(shape.vocab)
     tok_s: list[list[float]] = [[], []]
     for rep in range(args.reps + 1):  # rep 0 warms up
         for i, llm in enumerate(llms):
-            prompts = [{"prompt_token_ids": row.tolist()}
-                       for row in rng.integers(4, min(shape.vocab, 32000), (args.concurrency, 32))]
+            batch = prompts.make(workload)
             t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            llm.generate(batch, params, use_tqdm=False)
             if rep:
                 tok_s[i].append(args.concurrency * args.new_tokens / (time.perf_counter() - t))
     first, second = (statistics.median(v) for v in tok_s)

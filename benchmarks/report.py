@@ -94,11 +94,11 @@ def summarize(measurements: list[dict]) -> dict[str, dict[str, dict]]:
         table.setdefault(workload, {})[scenario] = agg
     for rows in table.values():
         base = rows.get(BASELINE, {}).get("tok_s")
+        best = rows.get(BASELINE, {}).get("tok_s_best")
         idle = rows.get(IDLE, {})
         for agg in rows.values():
             agg["ratio"] = agg["tok_s"] / base if base else None
             agg["ratio_e2e"] = agg["tok_s_e2e"] / base if base else None
-            best = rows.get(BASELINE, {}).get("tok_s_best")
             agg["ratio_best"] = agg["tok_s_best"] / best if best and agg["tok_s_best"] else None
             # The same engine with capture installed and off: what capturing itself costs,
             # free of any difference between two engines.

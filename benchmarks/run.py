@@ -106,17 +106,6 @@ class Nvml:
         except Exception:
             return None
 
-    def process_bytes(self, pids: list[int]) -> int | None:
-        """GPU memory of these processes (None when NVML cannot see them, e.g. in a container)."""
-        if self.nv is None:
-            return None
-        try:
-            procs = self.nv.nvmlDeviceGetComputeRunningProcesses(self.handle)
-        except Exception:
-            return None
-        mine = [p.usedGpuMemory for p in procs if p.pid in set(pids) and p.usedGpuMemory]
-        return int(sum(mine)) if mine else None
-
     def device(self) -> dict:
         if self.nv is None:
             return {"gpu": None, "driver": None, "gpu_memory_bytes": None}
