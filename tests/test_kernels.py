@@ -67,7 +67,7 @@ def brute(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc,
     site[0] += 1
     if int(site[1]) == 0:
         return
-    mode, count, slot, _ = [int(v) for v in plan_meta]
+    mode, count, offset, _ = [int(v) for v in plan_meta]
     T, W = x.shape
     cap = plan.shape[1]
 
@@ -83,18 +83,20 @@ def brute(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc,
         return int(input_ids[row])
 
     if mode == 1:
-        if not 0 <= slot < ring.shape[0]:
+        if offset < 0:
             return
-        for r in range(max(0, min(count, cap, ring.shape[1], T))):
+        for r in range(max(0, min(count, cap, T))):
+            if offset + r >= ring.shape[0]:
+                break
             row = int(plan[0, r])
             if 0 <= row < T:
                 v, tok = value(row), token(row)
             else:
                 v, tok = torch.zeros(W), -1
-            ring[slot, r] = v.to(ring.dtype)
-            ring_labels[slot, r, 0] = int(plan[1, r])
-            ring_labels[slot, r, 1] = int(plan[2, r])
-            ring_labels[slot, r, 2] = tok
+            ring[offset + r] = v.to(ring.dtype)
+            ring_labels[offset + r, 0] = int(plan[1, r])
+            ring_labels[offset + r, 1] = int(plan[2, r])
+            ring_labels[offset + r, 2] = tok
     elif mode in (2, 3):
         for s in range(max(0, min(count, cap, T))):
             start, cnt, aslot, req = (int(v) for v in plan[:, s])
@@ -143,15 +145,15 @@ def make_ids(g, T, dtype, extra=3):
     return torch.randint(0, 50_000, (T + extra,), generator=g).to(dtype)
 
 
-def make_bufs(g, *, cap, W, slots, ring_dtype, acc_slots, enabled=True):
+def make_bufs(g, *, cap, W, ring_rows, ring_dtype, acc_slots, enabled=True):
     """Static buffers prefilled with garbage so that untouched entries are checked too."""
     b = {}
     b["plan_meta"], b["plan"] = L.new_plan_buffers(cap, "cpu")
     b["plan"].copy_(torch.randint(-5, 10_000, b["plan"].shape, generator=g))
     b["site"] = L.new_site_buffer("cpu", enabled)
     b["site"][L.SITE_EXECUTIONS] = 41
-    b["ring"] = torch.randn(slots, cap, W, generator=g).to(ring_dtype)
-    b["ring_labels"] = torch.randint(-9, 9, (slots, cap, 3), generator=g, dtype=torch.int32)
+    b["ring"] = torch.randn(ring_rows, W, generator=g).to(ring_dtype)
+    b["ring_labels"] = torch.randint(-9, 9, (ring_rows, 3), generator=g, dtype=torch.int32)
     b["acc"] = torch.randn(acc_slots, W, generator=g)
     b["acc_labels"] = torch.randint(-9, 9, (acc_slots, 3), generator=g, dtype=torch.int32)
     b["acc_count"] = torch.randint(0, 5, (acc_slots,), generator=g, dtype=torch.int32)
@@ -162,11 +164,11 @@ def clone(b):
     return {k: v.clone() for k, v in b.items()}
 
 
-def set_rows_plan(g, b, T, count, slot, *, shuffle=False):
+def set_rows_plan(g, b, T, count, offset, *, shuffle=False):
     rows = torch.randperm(T, generator=g)[:count]
     if not shuffle:
         rows = rows.sort().values
-    b["plan_meta"][:] = torch.tensor([L.MODE_ROWS, count, slot, 0])
+    b["plan_meta"][:] = torch.tensor([L.MODE_ROWS, count, offset, 0])
     b["plan"][L.PLAN_ROW, :count] = rows.to(torch.int32)
     b["plan"][L.PLAN_REQ, :count] = torch.randint(0, 1000, (count,), generator=g, dtype=torch.int32)
     b["plan"][L.PLAN_POS, :count] = torch.randint(0, 9000, (count,), generator=g, dtype=torch.int32)
@@ -247,10 +249,10 @@ ROW_CASES = [
 @pytest.mark.parametrize("W,x_dtype,ring_dtype,with_res,layout,ids_dtype", ROW_CASES)
 def test_rows_random_plan(W, x_dtype, ring_dtype, with_res, layout, ids_dtype):
     g = torch.Generator().manual_seed(W * 7 + FLOATS.index(x_dtype) * 3 + FLOATS.index(ring_dtype))
-    T, cap, slots = 37, 24, 3
-    b = make_bufs(g, cap=cap, W=W, slots=slots, ring_dtype=ring_dtype, acc_slots=2)
+    T, cap, offset = 37, 24, 29
+    b = make_bufs(g, cap=cap, W=W, ring_rows=3 * cap, ring_dtype=ring_dtype, acc_slots=2)
     count = 19  # spans two BLOCK_R row tiles
-    rows = set_rows_plan(g, b, T, count, slot=1, shuffle=W % 2 == 1)
+    rows = set_rows_plan(g, b, T, count, offset=offset, shuffle=W % 2 == 1)
     unplanned = [r for r in range(T) if r not in set(rows.tolist())]
     x = make_x(g, T, W, x_dtype, layout, fill_nan_rows=unplanned)
     res = make_x(g, T, W, x_dtype, "contig" if layout != "contig" else "transposed") if with_res else None
@@ -258,35 +260,52 @@ def test_rows_random_plan(W, x_dtype, ring_dtype, with_res, layout, ids_dtype):
     out = run_all(x, res, ids, b)
     assert_same(out)
     got = out["triton"]
-    assert not torch.isnan(got["ring"][1, :count].float()).any()
+    mine = slice(offset, offset + count)
+    assert not torch.isnan(got["ring"][mine].float()).any()
     # spot-check against the spec directly
     r0 = int(rows[0])
     expect = x[r0].float() + (res[r0].float() if with_res else 0)
-    assert torch.equal(bits(got["ring"][1, 0]), bits(expect.to(ring_dtype)))
-    assert int(got["ring_labels"][1, 0, 2]) == (int(ids[r0]) if ids is not None else L.NO_TOKEN)
+    assert torch.equal(bits(got["ring"][offset]), bits(expect.to(ring_dtype)))
+    assert int(got["ring_labels"][offset, 2]) == (int(ids[r0]) if ids is not None else L.NO_TOKEN)
     assert int(got["site"][L.SITE_EXECUTIONS]) == 42
-    # other slots, rows past count and the accumulators are untouched
+    # ring rows of other steps (before the offset and past count) and the accumulators are untouched
     for k in ("acc", "acc_labels", "acc_count"):
         assert torch.equal(got[k], b[k])
-    assert torch.equal(bits(got["ring"][0]), bits(b["ring"][0]))
-    assert torch.equal(bits(got["ring"][1, count:]), bits(b["ring"][1, count:]))
-    assert torch.equal(got["ring_labels"][1, count:], b["ring_labels"][1, count:])
+    for other in (slice(0, offset), slice(offset + count, None)):
+        assert torch.equal(bits(got["ring"][other]), bits(b["ring"][other]))
+        assert torch.equal(got["ring_labels"][other], b["ring_labels"][other])
 
 
 @needs_triton
 @pytest.mark.parametrize("T,cap", [(10, 10), (7, 12), (40, 16)])
 def test_rows_full_ring(T, cap):
-    """count == min(T, cap): every ring row of the slot is written."""
+    """count == min(T, cap) rows ending exactly at the ring's last row: every row is written."""
     g = torch.Generator().manual_seed(T + cap)
     W = 5
-    b = make_bufs(g, cap=cap, W=W, slots=2, ring_dtype=torch.float16, acc_slots=1)
     count = min(T, cap)
-    set_rows_plan(g, b, T, count, slot=0, shuffle=True)
+    b = make_bufs(g, cap=cap, W=W, ring_rows=count + 3, ring_dtype=torch.float16, acc_slots=1)
+    set_rows_plan(g, b, T, count, offset=3, shuffle=True)
     x = make_x(g, T, W, torch.float32, "transposed")
     out = run_all(x, None, make_ids(g, T, torch.int64), b)
     assert_same(out)
-    if count == cap:
-        assert not torch.equal(out["triton"]["ring_labels"][0], b["ring_labels"][0])
+    assert torch.equal(out["triton"]["ring_labels"][:3], b["ring_labels"][:3])
+    assert not torch.equal(out["triton"]["ring_labels"][3:], b["ring_labels"][3:])
+
+
+@needs_triton
+@pytest.mark.parametrize("offset", [10, 13, 14, 40])
+def test_rows_past_the_ring_end_are_skipped(offset):
+    """A plan running past the ring's last row (host bug) writes only the rows that fit."""
+    g = torch.Generator().manual_seed(offset)
+    T, W, cap = 20, 37, 8
+    b = make_bufs(g, cap=cap, W=W, ring_rows=14, ring_dtype=torch.bfloat16, acc_slots=1)
+    set_rows_plan(g, b, T, cap, offset=offset)
+    out = run_all(make_x(g, T, W, torch.float32, "contig"), None, make_ids(g, T, torch.int32), b)
+    assert_same(out)
+    written = max(0, 14 - offset)
+    assert torch.equal(bits(out["triton"]["ring"][:offset]), bits(b["ring"][:offset]))
+    if written:
+        assert not torch.equal(out["triton"]["ring_labels"][offset:], b["ring_labels"][offset:])
 
 
 @needs_triton
@@ -294,8 +313,8 @@ def test_rows_count_beyond_capacity_is_clamped():
     """A count larger than cap (host bug) writes exactly cap rows, never past the ring."""
     g = torch.Generator().manual_seed(3)
     T, W, cap = 30, 5, 8
-    b = make_bufs(g, cap=cap, W=W, slots=2, ring_dtype=torch.float32, acc_slots=1)
-    set_rows_plan(g, b, T, cap, slot=1)
+    b = make_bufs(g, cap=cap, W=W, ring_rows=2 * cap, ring_dtype=torch.float32, acc_slots=1)
+    set_rows_plan(g, b, T, cap, offset=cap)
     b["plan_meta"][L.META_COUNT] = 1000
     out = run_all(make_x(g, T, W, torch.float32, "contig"), None, make_ids(g, T, torch.int32), b)
     assert_same(out)
@@ -303,22 +322,22 @@ def test_rows_count_beyond_capacity_is_clamped():
 
 @needs_triton
 def test_rows_out_of_range_entries_stay_in_bounds():
-    """Rows outside [0, T) become zeros with NO_TOKEN; ids past the buffer give NO_TOKEN; a bad slot
-    writes nothing. (Host bugs; the kernel must still not touch foreign memory.)"""
+    """Rows outside [0, T) become zeros with NO_TOKEN; ids past the buffer give NO_TOKEN; a negative
+    offset writes nothing. (Host bugs; the kernel must still not touch foreign memory.)"""
     g = torch.Generator().manual_seed(4)
     T, W, cap = 12, 37, 8
-    b = make_bufs(g, cap=cap, W=W, slots=2, ring_dtype=torch.bfloat16, acc_slots=1)
-    set_rows_plan(g, b, T, 6, slot=1)
+    b = make_bufs(g, cap=cap, W=W, ring_rows=2 * cap, ring_dtype=torch.bfloat16, acc_slots=1)
+    set_rows_plan(g, b, T, 6, offset=cap)
     b["plan"][L.PLAN_ROW, :6] = torch.tensor([3, -1, 12, 11, 2**30, 0], dtype=torch.int32)
     x = make_x(g, T, W, torch.float16, "sliced")
     ids = torch.arange(11, dtype=torch.int64) + 500  # shorter than T: row 11 has no id
     out = run_all(x, x.t().contiguous().t(), ids, b)
     assert_same(out)
     got = out["triton"]
-    assert got["ring_labels"][1, :6, 2].tolist() == [503, -1, -1, -1, -1, 500]
-    assert not got["ring"][1, 1].any() and not got["ring"][1, 2].any()
-    for bad_slot in (-1, 2):
-        b["plan_meta"][L.META_SLOT] = bad_slot
+    assert got["ring_labels"][cap:cap + 6, 2].tolist() == [503, -1, -1, -1, -1, 500]
+    assert not got["ring"][cap + 1].any() and not got["ring"][cap + 2].any()
+    for bad_offset in (-1, -2**31):
+        b["plan_meta"][L.META_OFFSET] = bad_offset
         out = run_all(x, None, ids, b)
         assert_same(out)
         assert torch.equal(bits(out["triton"]["ring"]), bits(b["ring"]))
@@ -345,7 +364,7 @@ def test_segments_random_plan(mode, W, x_dtype, with_res, layout, ids_dtype, n_s
     # short (<= MEAN_SHORT rows) and long segments share a program; an 80-row one needs two chunks
     T, cap, acc_slots = 90, 24, 20
     assert K.MEAN_SHORT < 80 and K.BLOCK_T < 80 <= 2 * K.BLOCK_T
-    b = make_bufs(g, cap=cap, W=W, slots=1, ring_dtype=torch.float32, acc_slots=acc_slots)
+    b = make_bufs(g, cap=cap, W=W, ring_rows=cap, ring_dtype=torch.float32, acc_slots=acc_slots)
     covered = set_segment_plan(g, b, T, mode, n_seg, acc_slots)
     if n_seg == 1:  # one long segment
         b["plan"][:, 0] = torch.tensor([2, 80, 7, 5], dtype=torch.int32)
@@ -371,7 +390,7 @@ def test_segments_random_plan(mode, W, x_dtype, with_res, layout, ids_dtype, n_s
 def test_segments_invalid_entries_are_skipped(mode):
     g = torch.Generator().manual_seed(11 + mode)
     T, W, cap, acc_slots = 20, 5, 8, 6
-    b = make_bufs(g, cap=cap, W=W, slots=1, ring_dtype=torch.float32, acc_slots=acc_slots)
+    b = make_bufs(g, cap=cap, W=W, ring_rows=cap, ring_dtype=torch.float32, acc_slots=acc_slots)
     segs = [(0, 3, 1), (3, 0, 2), (-1, 2, 3), (18, 3, 4), (5, 2, 6), (5, 2, -1), (10, 4, 5), (14, 2, 0)]
     b["plan_meta"][:] = torch.tensor([mode, len(segs), 0, 0])
     for s, (start, cnt, slot) in enumerate(segs):
@@ -409,7 +428,7 @@ def test_reduction_over_several_steps(use_triton, storage):
     token_ids = torch.randint(0, 1000, (total,), generator=g)
     plan_meta, plan = L.new_plan_buffers(cap, "cpu")
     site = L.new_site_buffer("cpu")
-    ring, ring_labels = L.new_ring_buffers(0, cap, W, torch.float32, "cpu")
+    ring, ring_labels = L.new_ring_buffers(0, W, torch.float32, "cpu")
     acc, acc_labels, acc_count = L.new_acc_buffers(acc_slots, W, "cpu")
     chunks = _chunked_steps(g, total - 3, 4) + [(total - 3, total - 2), (total - 2, total - 1),
                                                   (total - 1, total)]
@@ -444,7 +463,7 @@ def test_reduction_over_several_steps(use_triton, storage):
 def test_mean_is_deterministic():
     g = torch.Generator().manual_seed(8)
     T, W = 150, 130
-    b = make_bufs(g, cap=16, W=W, slots=1, ring_dtype=torch.float32, acc_slots=4)
+    b = make_bufs(g, cap=16, W=W, ring_rows=16, ring_dtype=torch.float32, acc_slots=4)
     b["plan_meta"][:] = torch.tensor([L.MODE_MEAN, 2, 0, 0])
     b["plan"][:, :2] = torch.tensor([[0, 3], [3, 147], [1, 3], [7, 8]], dtype=torch.int32)
     x = make_x(g, T, W, torch.float16, "transposed")
@@ -461,7 +480,7 @@ def test_mean_short_segments_sum_sequentially():
     """Segments of <= MEAN_SHORT rows are summed row by row: bit-equal to the sequential loop."""
     g = torch.Generator().manual_seed(9)
     T, W, acc_slots = 60, 37, 20
-    b = make_bufs(g, cap=32, W=W, slots=1, ring_dtype=torch.float32, acc_slots=acc_slots)
+    b = make_bufs(g, cap=32, W=W, ring_rows=32, ring_dtype=torch.float32, acc_slots=acc_slots)
     lens = [1, 16, 5, 1, 1, 9, 2, 16, 1, 3, 1, 1, 1]
     assert max(lens) <= K.MEAN_SHORT and sum(lens) <= T
     b["plan_meta"][:] = torch.tensor([L.MODE_MEAN, len(lens), 0, 0])
@@ -486,9 +505,10 @@ def test_mean_short_segments_sum_sequentially():
 def test_off_and_disabled_only_count(mode, enabled):
     g = torch.Generator().manual_seed(mode)
     T, W, cap = 20, 37, 8
-    b = make_bufs(g, cap=cap, W=W, slots=2, ring_dtype=torch.float16, acc_slots=4, enabled=enabled)
+    b = make_bufs(g, cap=cap, W=W, ring_rows=2 * cap, ring_dtype=torch.float16, acc_slots=4,
+                  enabled=enabled)
     if mode in (L.MODE_OFF, L.MODE_ROWS):
-        set_rows_plan(g, b, T, 5, slot=0)
+        set_rows_plan(g, b, T, 5, offset=0)
     else:
         set_segment_plan(g, b, T, mode, 3, 4)
     b["plan_meta"][L.META_MODE] = mode
@@ -506,7 +526,7 @@ def test_off_and_disabled_only_count(mode, enabled):
 def test_empty_plan(mode):
     g = torch.Generator().manual_seed(20 + mode)
     T, W = 9, 5
-    b = make_bufs(g, cap=8, W=W, slots=2, ring_dtype=torch.bfloat16, acc_slots=3)
+    b = make_bufs(g, cap=8, W=W, ring_rows=16, ring_dtype=torch.bfloat16, acc_slots=3)
     b["plan_meta"][:] = torch.tensor([mode, 0, 1, 0])
     out = run_all(make_x(g, T, W, torch.float16, "transposed"), None, make_ids(g, T, torch.int32), b)
     assert_same(out)
@@ -521,7 +541,7 @@ def test_zero_tokens(mode):
     """T == 0: the grid is still one program, so the counter moves; nothing is read or written."""
     g = torch.Generator().manual_seed(30 + mode)
     W = 37
-    b = make_bufs(g, cap=8, W=W, slots=2, ring_dtype=torch.float32, acc_slots=3)
+    b = make_bufs(g, cap=8, W=W, ring_rows=16, ring_dtype=torch.float32, acc_slots=3)
     b["plan_meta"][:] = torch.tensor([mode, 3, 0, 0])
     b["plan"][:, :3] = torch.tensor([[0, 0, 0], [1, 1, 1], [0, 1, 2], [0, 0, 0]], dtype=torch.int32)
     x = torch.empty(0, W, dtype=torch.float16)
@@ -536,7 +556,7 @@ def test_counter_exactly_once_per_launch_many_programs():
     """Grids of several programs in both axes still bump the counter by exactly 1 per launch."""
     g = torch.Generator().manual_seed(40)
     W, cap = 130, 40
-    b = make_bufs(g, cap=cap, W=W, slots=1, ring_dtype=torch.float16, acc_slots=1)
+    b = make_bufs(g, cap=cap, W=W, ring_rows=cap, ring_dtype=torch.float16, acc_slots=1)
     b["site"][L.SITE_EXECUTIONS] = 0
     launches = 0
     for T, mode in [(37, L.MODE_ROWS), (40, L.MODE_OFF), (1, L.MODE_ROWS), (33, L.MODE_MEAN), (17, L.MODE_LAST)]:
@@ -566,12 +586,13 @@ def test_bf16_and_fp16_rounding_edges_match_torch():
     T = vals.numel()
     x = vals.view(T, 1)
     for ring_dtype in (torch.bfloat16, torch.float16):
-        b = make_bufs(torch.Generator().manual_seed(0), cap=T, W=1, slots=1, ring_dtype=ring_dtype, acc_slots=1)
+        b = make_bufs(torch.Generator().manual_seed(0), cap=T, W=1, ring_rows=T, ring_dtype=ring_dtype,
+                      acc_slots=1)
         b["plan_meta"][:] = torch.tensor([L.MODE_ROWS, T, 0, 0])
         b["plan"][L.PLAN_ROW] = torch.arange(T, dtype=torch.int32)
         out = run_all(x, None, None, b)
         assert_same(out)
-        assert torch.equal(bits(out["triton"]["ring"][0, :, 0]), bits(vals.to(ring_dtype)))
+        assert torch.equal(bits(out["triton"]["ring"][:, 0]), bits(vals.to(ring_dtype)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -597,9 +618,13 @@ def test_reference_matches_brute_force(seed, mode, T, W, cap, x_dtype, ring_dtyp
                                        ids_dtype, enabled, frac):
     g = torch.Generator().manual_seed(seed)
     acc_slots = 24
-    b = make_bufs(g, cap=cap, W=W, slots=2, ring_dtype=ring_dtype, acc_slots=acc_slots, enabled=enabled)
+    ring_rows = 1 + seed % (2 * cap)
+    b = make_bufs(g, cap=cap, W=W, ring_rows=ring_rows, ring_dtype=ring_dtype, acc_slots=acc_slots,
+                  enabled=enabled)
     if mode in (L.MODE_OFF, L.MODE_ROWS):
-        set_rows_plan(g, b, T, round(frac * min(T, cap)), slot=seed % 2, shuffle=seed % 3 == 0)
+        # Offsets from before the ring (nothing written) to past its end (rows cut at the end).
+        set_rows_plan(g, b, T, round(frac * min(T, cap)), offset=seed % (ring_rows + 3) - 1,
+                      shuffle=seed % 3 == 0)
         b["plan_meta"][L.META_MODE] = mode
     else:
         set_segment_plan(g, b, T, mode, round(frac * min(T // 2, cap, acc_slots)), acc_slots)
@@ -615,14 +640,15 @@ def test_reference_matches_brute_force(seed, mode, T, W, cap, x_dtype, ring_dtyp
 
 def test_launch_checks_layout():
     g = torch.Generator().manual_seed(0)
-    b = make_bufs(g, cap=4, W=5, slots=1, ring_dtype=torch.float32, acc_slots=1)
+    b = make_bufs(g, cap=4, W=5, ring_rows=4, ring_dtype=torch.float32, acc_slots=1)
     x = torch.zeros(3, 5)
     K.launch_capture(x, None, None, *(b[k] for k in BUFS), use_triton=False)
     bad = [
-        dict(ring=torch.zeros(1, 4, 6)),
+        dict(ring=torch.zeros(4, 6)),
+        dict(ring=torch.zeros(1, 4, 5)),
         dict(plan=torch.zeros(3, 4, dtype=torch.int32)),
         dict(acc=torch.zeros(1, 5, dtype=torch.float16)),
-        dict(ring_labels=torch.zeros(1, 4, 2, dtype=torch.int32)),
+        dict(ring_labels=torch.zeros(4, 2, dtype=torch.int32)),
         dict(site=torch.zeros(2, dtype=torch.int64)),
         dict(plan=torch.zeros(4, 8, dtype=torch.int32)[:, ::2]),
         dict(plan=torch.zeros(4, 4, dtype=torch.int32)),  # field-major: the kernel reads entry-major
@@ -648,12 +674,12 @@ def test_dummy_buffers_for_unused_kind():
             plan_meta[:] = torch.tensor([mode, 1, 0, 0])
             plan[:, 0] = torch.tensor([0, 1, 0, 0], dtype=torch.int32)
             site = L.new_site_buffer("cpu")
-            ring, ring_labels = L.new_ring_buffers(int(mode == L.MODE_ROWS), 4, W, torch.float32, "cpu")
+            ring, ring_labels = L.new_ring_buffers(4 * int(mode == L.MODE_ROWS), W, torch.float32, "cpu")
             acc, acc_labels, acc_count = L.new_acc_buffers(int(mode != L.MODE_ROWS), W, "cpu")
             K.launch_capture(x, None, None, plan_meta, plan, site, ring, ring_labels, acc, acc_labels,
                              acc_count, use_triton=use_triton)
             assert int(site[L.SITE_EXECUTIONS]) == 1
-            assert torch.equal((ring[0, 0] if mode == L.MODE_ROWS else acc[0]), x[0])
+            assert torch.equal((ring[0] if mode == L.MODE_ROWS else acc[0]), x[0])
 
 
 def test_warmup_is_noop_off_cuda():
@@ -661,7 +687,7 @@ def test_warmup_is_noop_off_cuda():
 
 
 def test_layout_constants():
-    assert (L.META_MODE, L.META_COUNT, L.META_SLOT, L.META_FIELDS) == (0, 1, 2, 4)
+    assert (L.META_MODE, L.META_COUNT, L.META_OFFSET, L.META_FIELDS) == (0, 1, 2, 4)
     assert (L.MODE_OFF, L.MODE_ROWS, L.MODE_LAST, L.MODE_MEAN) == (0, 1, 2, 3)
     assert (L.PLAN_ROW, L.PLAN_REQ, L.PLAN_POS, L.PLAN_FIELDS) == (0, 1, 2, 4)
     assert (L.PLAN_SEG_START, L.PLAN_SEG_COUNT, L.PLAN_SEG_SLOT, L.PLAN_SEG_REQ) == (0, 1, 2, 3)

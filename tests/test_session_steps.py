@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import textwrap
 import types
 import warnings
@@ -36,7 +37,7 @@ from tests.test_selection_spec import select_specs
 from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.kernels import layout as L
 from vllm_capture.selection import BatchGeometry, SelectSpec
-from vllm_capture.session.session import CaptureSession
+from vllm_capture.session.session import HARVEST_IDLE_S, CaptureSession
 from vllm_capture.session.wire import deserialize_captured
 
 HS, AH = "hidden_states", "attention_heads"
@@ -1129,7 +1130,7 @@ def test_an_interpreter_exit_with_rows_in_flight_is_clean(tmp_path):
         import torch
         from vllm_capture.capture_graph.state import CaptureGraphState
         from vllm_capture.selection import BatchGeometry
-        from vllm_capture.session.session import CaptureSession
+        from vllm_capture.session.session import HARVEST_IDLE_S, CaptureSession
 
         state = CaptureGraphState(device=torch.device("cpu"), capacity=4096, acc_slots=64)
         for layer in range(8):
@@ -1305,14 +1306,42 @@ def test_eager_counters_and_idle_handle():
     assert session.fetch_stream(HS) == {}
 
 
-def test_int64_input_ids_and_ring_slot_reuse():
-    """vLLM's persistent input_ids may be int64; more steps than ring slots reuse them."""
-    engine = Engine(ids_dtype=torch.int64, ring_slots=2)
+def test_int64_input_ids_and_ring_wraps():
+    """vLLM's persistent input_ids may be int64; steps that run past the ring's end wrap to its
+    start after the rows there were drained, several steps per drain."""
+    engine = Engine(capacity=3, ids_dtype=torch.int64, ring_slots=3)
     ref = RefStream(HS, 8)
     engine.refs = [ref]
     engine.session.enable_stream(HS)
-    a = Req(num=0, prompt=[4, 3, 2, 1], gen=[0, 1, 2, 3, 4])
+    drains, wraps = [], []
+    drain, wrap = engine.state.drain, engine.state._wrap
+    engine.state.drain = lambda component: drains.append(
+        engine.state.streams[component].pending_steps) or drain(component)
+    engine.state._wrap = lambda buf: wraps.append(buf.offset) or wrap(buf)
+    a = Req(num=0, prompt=[4, 3, 2, 1], gen=[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0])
     engine.step([(a, 2)], pad=1)
     while not a.done:
         engine.step([(a, min(2, a.known - a.computed))], pad=1)
     check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([a.rid]))
+    # 2 + 2 + 1 * 12 rows into a 9-row ring, drained at 5 rows (half of it) or before a wrap.
+    assert wraps and max(drains) >= 2
+
+
+def test_a_finished_request_keeps_its_index_until_its_rows_leave_the_ring():
+    """Rows still in the device ring when their request finishes: the finish marker waits for the
+    drain that carries them, even if the harvest thread stores everything it holds meanwhile."""
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    a = Req(num=0, prompt=[1, 2], gen=[3])
+    engine.step([(a, 2)])
+    engine.step([(a, 1)])
+    assert engine.state.streams[HS].pending_rows == 3
+    b = Req(num=1, prompt=[3], gen=[])
+    engine.step([(b, 1)])  # a's finish arrives while its rows are in the ring
+    time.sleep(5 * HARVEST_IDLE_S)  # the harvest thread stores what it holds
+    c = Req(num=2, prompt=[4], gen=[])
+    engine.step([(c, 1)])  # b's finish: a new index must not take a's
+    rows = decode_rows(*engine.fetch(HS))
+    check_rows(ref, rows, ref.expected_rows([a.rid, b.rid, c.rid]))

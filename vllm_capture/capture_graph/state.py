@@ -2,11 +2,17 @@
 
 Everything a kernel touches is allocated once, at model load, before vLLM profiles memory and
 captures CUDA graphs, and is never reallocated: a replayed graph holds raw addresses. What changes
-per step (the row plan, the ring slot, whether a stream is on) is written into those buffers by the
-host before the forward; the kernels read it from device memory. After the forward, ``drain``
-enqueues asynchronous device-to-host copies of exactly the rows the host planned (the host knows the
-count, so no device value is read back) on a side stream, ordered by events, and returns them as
-``DrainedRows`` for the session to hand to the store off the step path.
+per step (the row plan, the ring offset, whether a stream is on) is written into those buffers by
+the host before the forward; the kernels read it from device memory.
+
+Steps pack their rows one after another into each stream's ring (``ring_slots`` full steps of
+``capacity`` rows). The host knows every step's row count, so it knows which ring rows hold rows not
+yet copied out, without reading anything back. ``drain`` copies all of them at once: one gather and
+one asynchronous device-to-host copy per ring group, on a side stream ordered by events, returned as
+``DrainedRows`` for the session to hand to the store off the step path. The session drains when
+``drain_due`` says the pending rows are worth a copy, when the next step would not fit before the
+ring's end, and before anything reads the store; so a decode step of a few rows costs a plan
+upload, not a copy and a store append.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ class RingGroup:
     device in one gather and one copy."""
 
     sites: list[Site]
-    ring: torch.Tensor  # [sites, slots, capacity, width]
-    labels: torch.Tensor  # int32 [sites, slots, capacity, 3]
+    ring: torch.Tensor  # [sites, ring_rows, width]
+    labels: torch.Tensor  # int32 [sites, ring_rows, 3]
     acc: torch.Tensor | None = None  # fp32 [sites, acc_slots, width]
     acc_labels: torch.Tensor | None = None  # int32 [sites, acc_slots, 3]
     acc_count: torch.Tensor | None = None  # int32 [sites, acc_slots]
@@ -69,12 +75,22 @@ class StreamPlanBuffers:
     host: np.ndarray  # the host image of ``buffer``
     mode: int = L.MODE_OFF
     count: int = 0
-    slot: int = 0
+    # Ring rows: the next step writes from ``offset``; ``[pending_start, offset)`` holds rows of
+    # earlier steps not drained yet; ``copies`` are the drains still in flight, which the ring's
+    # rows may only be overwritten after (the wrap back to row 0 waits for them).
+    offset: int = 0
+    pending_start: int = 0
+    pending_steps: int = 0
+    copies: list = field(default_factory=list)
+
+    @property
+    def pending_rows(self) -> int:
+        return self.offset - self.pending_start
 
 
 @dataclass
 class DrainedRows:
-    """Rows of one component for one step, on their way to the host."""
+    """Rows of one component for one or more steps, on their way to the host."""
 
     component: str
     count: int
@@ -91,8 +107,12 @@ class DrainedRows:
 @dataclass
 class CaptureGraphState:
     device: torch.device
-    capacity: int  # rows per step per component (ring slot size)
-    ring_slots: int = 2
+    capacity: int  # rows per step per component
+    ring_slots: int = 2  # the ring holds this many steps of ``capacity`` rows
+    # A drain is due once the pending rows of a stream take this many host bytes (or fill half of
+    # the ring): large enough to amortise a copy and a store append over many decode steps, small
+    # enough to keep the pinned staging modest.
+    drain_bytes: int = 64 << 20
     acc_slots: int = 64
     sites: dict[int, Site] = field(default_factory=dict)  # counter.data_ptr() -> Site
     streams: dict[str, StreamPlanBuffers] = field(default_factory=dict)
@@ -102,7 +122,6 @@ class CaptureGraphState:
     step_active: bool = False
     step_eager_launches: int = 0  # launches made by the op's Python body in the current step
     allocation_bytes: int = 0
-    _slot_free: dict = field(default_factory=dict)
     _copy_stream: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -124,8 +143,8 @@ class CaptureGraphState:
         """Allocate every ring, accumulator and plan buffer (once, before graphs are captured).
 
         Sites of one component with the same width and dtype share one ring tensor
-        ``[sites, slots, capacity, width]`` (each site's ring is a contiguous view of it), so a
-        step's rows of every layer leave the device in one copy.
+        ``[sites, ring_rows, width]`` (each site's ring is a contiguous view of it), so pending
+        rows of every layer leave the device in one copy.
         """
         nbytes = 0
         for component in sorted({s.component for s in self.sites.values()}):
@@ -145,10 +164,9 @@ class CaptureGraphState:
                 shapes.setdefault((site.width, site.dtype), []).append(site)
             for (width, dtype), members in shapes.items():
                 group = RingGroup(members, *L.new_ring_buffers(
-                    self.ring_slots * len(members), self.capacity, width, dtype, self.device))
-                group.ring = group.ring.view(len(members), self.ring_slots, self.capacity, width)
-                group.labels = group.labels.view(len(members), self.ring_slots, self.capacity,
-                                                 L.LABEL_FIELDS)
+                    len(members) * self.ring_rows, width, dtype, self.device))
+                group.ring = group.ring.view(len(members), self.ring_rows, width)
+                group.labels = group.labels.view(len(members), self.ring_rows, L.LABEL_FIELDS)
                 acc, acc_labels, acc_count = L.new_acc_buffers(
                     len(members) * self.acc_slots, width, self.device)
                 group.acc = acc.view(len(members), self.acc_slots, width)
@@ -166,8 +184,11 @@ class CaptureGraphState:
         self.allocation_bytes = nbytes
         if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device=self.device)
-            self._slot_free = {}
         self.ready = True
+
+    @property
+    def ring_rows(self) -> int:
+        return self.ring_slots * self.capacity
 
     @property
     def plan_columns(self) -> int:
@@ -192,6 +213,10 @@ class CaptureGraphState:
 
     def set_enabled(self, component: str, layers: set[int] | None) -> None:
         """Switch sites of ``component`` on (layers=None: all) or off (empty set)."""
+        buf = self.streams.get(component)
+        if buf is not None and buf.pending_rows:
+            raise RuntimeError(f"{component}: {buf.pending_rows} ring rows are not drained; "
+                               "drain before switching layers")
         for site in self.sites_of(component):
             site.enabled = layers is None or site.layer_id in layers
             site.counter[L.SITE_ENABLED] = int(site.enabled)
@@ -201,25 +226,55 @@ class CaptureGraphState:
 
     # ---- per step ------------------------------------------------------------------------------
 
+    def fits(self, component: str, n: int) -> bool:
+        """Whether ``n`` more rows fit before the ring's end (else the next upload wraps)."""
+        return self.streams[component].offset + n <= self.ring_rows
+
+    def drain_due(self, component: str) -> bool:
+        """Whether the pending rows are worth a copy now (half the ring, or ``drain_bytes``)."""
+        buf = self.streams[component]
+        rows = buf.pending_rows
+        if rows == 0:
+            return False
+        if 2 * rows >= self.ring_rows:
+            return True
+        row_bytes = sum(len(g.enabled) * g.ring.shape[2] * g.ring.element_size()
+                        for g in self.groups.get(component, ())) + 4 * L.LABEL_FIELDS
+        return rows * row_bytes >= self.drain_bytes
+
     def upload_rows(self, component: str, rows: np.ndarray, req_index: np.ndarray,
                     positions: np.ndarray) -> None:
         buf = self.streams[component]
         n = len(rows)
         if n > self.capacity:
             raise ValueError(f"plan has {n} rows, capacity is {self.capacity}")
-        buf.slot = (buf.slot + 1) % self.ring_slots
-        self._write(buf, L.MODE_ROWS, n, (rows, req_index, positions))
+        if buf.offset + n > self.ring_rows:
+            if buf.pending_rows:
+                raise RuntimeError(f"{component}: drain the ring before it wraps")
+            self._wrap(buf)
+        self._write(buf, L.MODE_ROWS, n, (rows, req_index, positions), offset=buf.offset)
+        buf.offset += n
+        buf.pending_steps += 1
+
+    def _wrap(self, buf: StreamPlanBuffers) -> None:
+        """Start again at ring row 0, after every copy still reading the ring."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for event in buf.copies:
+                stream.wait_event(event)
+        buf.copies.clear()
+        buf.offset = buf.pending_start = 0
 
     def upload_segments(self, component: str, mode: int, row_start: np.ndarray,
                         row_count: np.ndarray, slots: np.ndarray, req_index: np.ndarray) -> None:
         self._write(self.streams[component], mode, len(row_start),
                     (row_start, row_count, slots, req_index))
 
-    def _write(self, buf: StreamPlanBuffers, mode: int, count: int, columns) -> None:
+    def _write(self, buf: StreamPlanBuffers, mode: int, count: int, columns, offset: int = 0) -> None:
         host = buf.host
         host[L.META_MODE] = mode
         host[L.META_COUNT] = count
-        host[L.META_SLOT] = buf.slot
+        host[L.META_OFFSET] = offset
         plan = L.plan_view(host[L.META_FIELDS:])
         for i, col in enumerate(columns):
             plan[i, :count] = col
@@ -227,10 +282,6 @@ class CaptureGraphState:
         # Entry-major: meta and this step's entries are one prefix; the rest is never read.
         used = L.META_FIELDS + L.PLAN_FIELDS * count
         if self.device.type == "cuda":
-            # The slot we are about to overwrite may still be copying out from two steps ago.
-            pending = self._slot_free.get((id(buf), buf.slot))
-            if pending is not None and mode == L.MODE_ROWS:
-                torch.cuda.current_stream(self.device).wait_event(pending)
             # A fresh pinned tensor per step: the caching host allocator keeps it alive until
             # the non-blocking copy has run, so the step never waits for the copy.
             staged = torch.from_numpy(host[:used]).pin_memory()
@@ -263,50 +314,46 @@ class CaptureGraphState:
         launch_capture(x, residual, self.input_ids, buf.meta, buf.plan, counter, site.ring,
                        site.ring_labels, site.acc, site.acc_labels, site.acc_count)
 
-    def drain(self) -> list[DrainedRows]:
-        """Enqueue copies of this step's planned rows (mode rows) to host memory.
+    def drain(self, component: str) -> DrainedRows | None:
+        """Enqueue the copy of every pending ring row of ``component`` to host memory.
 
-        One device-to-host copy per ring group carries the rows of every enabled layer; the labels
-        are the same for all sites of a stream, so one site's labels travel once.
+        One gather and one device-to-host copy per ring group carry the rows of every enabled
+        layer; the labels are the same for all sites of a stream, so one site's labels travel once.
         """
-        drained = []
-        for component, buf in self.streams.items():
-            if buf.mode != L.MODE_ROWS or buf.count == 0:
-                continue
-            n, slot = buf.count, buf.slot
-            groups = [g for g in self.groups.get(component, ()) if g.enabled]
-            if not groups:
-                continue
-            cuda = self.device.type == "cuda"
-            event = None
-            if cuda:
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-                self._copy_stream.wait_event(done)
-            layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            names: dict[int, str] = {}
-            labels = None
-            with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
-                for group in groups:
-                    # [enabled sites, n, width]: only the planned rows of enabled layers.
-                    rows = group.ring[:, slot, :n].index_select(0, group.enabled_index)
-                    if cuda:
-                        # set_enabled may replace the index while this gather is still queued.
-                        group.enabled_index.record_stream(self._copy_stream)
-                    if labels is None:
-                        labels = _to_host(group.labels[group.enabled[0], slot, :n], cuda)
-                    rows = _to_host(rows, cuda)
-                    for k, i in enumerate(group.enabled):
-                        site = group.sites[i]
-                        layers[site.layer_id] = (rows[k], labels)
-                        names[site.layer_id] = site.layer_name
+        buf = self.streams[component]
+        start, n = buf.pending_start, buf.pending_rows
+        buf.pending_start, buf.pending_steps = buf.offset, 0
+        groups = [g for g in self.groups.get(component, ()) if g.enabled]
+        if n == 0 or not groups:
+            return None
+        cuda = self.device.type == "cuda"
+        event = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._copy_stream.wait_event(done)
+        layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        names: dict[int, str] = {}
+        labels = None
+        with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
+            for group in groups:
+                # [enabled sites, n, width]: only the pending rows of enabled layers.
+                rows = group.ring[:, start:start + n].index_select(0, group.enabled_index)
                 if cuda:
-                    event = torch.cuda.Event()
-                    event.record(self._copy_stream)
+                    # set_enabled may replace the index while this gather is still queued.
+                    group.enabled_index.record_stream(self._copy_stream)
+                if labels is None:
+                    labels = _to_host(group.labels[group.enabled[0], start:start + n], cuda)
+                rows = _to_host(rows, cuda)
+                for k, i in enumerate(group.enabled):
+                    site = group.sites[i]
+                    layers[site.layer_id] = (rows[k], labels)
+                    names[site.layer_id] = site.layer_name
             if cuda:
-                self._slot_free[(id(buf), slot)] = event
-            drained.append(DrainedRows(component, n, layers, names, event))
-        return drained
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+                buf.copies.append(event)
+        return DrainedRows(component, n, layers, names, event)
 
     # ---- reductions ------------------------------------------------------------------------------
 

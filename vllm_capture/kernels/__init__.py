@@ -2,7 +2,7 @@
 
 Per step the host writes a plan per stream into static device buffers (``layout``); inside the
 forward, :func:`launch_capture` reads it on the device and either gathers planned rows into the
-site's ring slot (``gather``) or updates per-request last/mean accumulators (``accumulate``).
+site's ring (``gather``) or updates per-request last/mean accumulators (``accumulate``).
 Without CUDA (or Triton) the torch references implement the same semantics.
 """
 
@@ -30,7 +30,7 @@ from .layout import (
     META_COUNT,
     META_FIELDS,
     META_MODE,
-    META_SLOT,
+    META_OFFSET,
     MODE_LAST,
     MODE_MEAN,
     MODE_OFF,
@@ -58,7 +58,7 @@ __all__ = [
     "layout", "launch_capture", "warmup", "capture_reference", "capture_grid",
     "gather_rows_reference", "accumulate_reference", "HAVE_TRITON",
     "BLOCK_R", "BLOCK_W", "BLOCK_T", "MEAN_SHORT", "NUM_WARPS",
-    "META_MODE", "META_COUNT", "META_SLOT", "META_FIELDS",
+    "META_MODE", "META_COUNT", "META_OFFSET", "META_FIELDS",
     "MODE_OFF", "MODE_ROWS", "MODE_LAST", "MODE_MEAN",
     "PLAN_ROW", "PLAN_REQ", "PLAN_POS", "PLAN_SEG_START", "PLAN_SEG_COUNT", "PLAN_SEG_SLOT",
     "PLAN_SEG_REQ", "PLAN_FIELDS",

@@ -4,7 +4,7 @@ Why it looks the way it does (see ``docs/architecture.md`` and the vLLM integrat
 
 * **Graph replay runs no Python.** Under CUDA graphs the op's Python body runs once, at capture
   time; replays re-issue the recorded launch with the recorded arguments. So everything that
-  changes per step (mode, count, slot, rows, labels) is *read by the kernel from device memory*
+  changes per step (mode, count, ring offset, rows, labels) is *read by the kernel from device memory*
   (``plan_meta``, ``plan``, ``site``), which the host rewrites between steps.
 * **Static addresses.** The recorded launch holds raw pointers: every buffer passed here must be
   allocated before capture and never reallocated (``x`` and ``residual`` are graph-internal
@@ -58,11 +58,11 @@ if HAVE_TRITON:
     _MODE_MEAN = tl.constexpr(L.MODE_MEAN)
     _META_MODE = tl.constexpr(L.META_MODE)
     _META_COUNT = tl.constexpr(L.META_COUNT)
-    _META_SLOT = tl.constexpr(L.META_SLOT)
+    _META_OFFSET = tl.constexpr(L.META_OFFSET)
     _SITE_EXECUTIONS = tl.constexpr(L.SITE_EXECUTIONS)
     _SITE_ENABLED = tl.constexpr(L.SITE_ENABLED)
 
-    _SIZE_ARGS = ["T", "W", "cap", "ring_slots", "ring_cap", "acc_slots", "n_ids",
+    _SIZE_ARGS = ["T", "W", "cap", "ring_rows", "acc_slots", "n_ids",
                   "stride_xt", "stride_xw", "stride_rt", "stride_rw", "stride_ids"]
 
     @triton.jit(do_not_specialize=_SIZE_ARGS,
@@ -70,7 +70,7 @@ if HAVE_TRITON:
     def capture_site_kernel(
         x_ptr, res_ptr, ids_ptr, meta_ptr, plan_ptr, site_ptr,
         ring_ptr, ring_labels_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
-        T, W, cap, ring_slots, ring_cap, acc_slots, n_ids,
+        T, W, cap, ring_rows, acc_slots, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         HAS_RES: tl.constexpr, UNIT_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
         BLOCK_T: tl.constexpr, SHORT: tl.constexpr,
@@ -89,12 +89,13 @@ if HAVE_TRITON:
         if enabled != 0:
             if mode == _MODE_ROWS:
                 count = tl.load(meta_ptr + _META_COUNT)
-                slot = tl.load(meta_ptr + _META_SLOT)
-                n = tl.minimum(tl.maximum(count, 0), tl.minimum(tl.minimum(T, cap), ring_cap))
-                if (pid_r * BLOCK_R < n) & (slot >= 0) & (slot < ring_slots):
+                offset = tl.load(meta_ptr + _META_OFFSET)
+                n = tl.minimum(tl.minimum(tl.maximum(count, 0), tl.minimum(T, cap)),
+                               ring_rows - offset)
+                if (pid_r * BLOCK_R < n) & (offset >= 0):
                     gather_rows_tile(
                         x_ptr, res_ptr, ids_ptr, plan_ptr, ring_ptr, ring_labels_ptr,
-                        n, slot, T, cap, ring_cap, W, n_ids,
+                        n, offset, T, cap, W, n_ids,
                         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
                         pid_r, pid_w, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W)
             elif (mode == _MODE_LAST) | (mode == _MODE_MEAN):
@@ -146,12 +147,12 @@ def _check(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc
         need(tuple(t.shape) == shape, f"{name} shape {tuple(t.shape)} != {shape}")
     need(plan.dim() == 2 and plan.shape[0] == L.PLAN_FIELDS, f"plan shape {tuple(plan.shape)}")
     cap = plan.shape[1]
-    need(ring.dim() == 3, f"ring must be [slots, cap, W], got {tuple(ring.shape)}")
+    need(ring.dim() == 2, f"ring must be [ring_rows, W], got {tuple(ring.shape)}")
     need(ring.dtype in L.STORAGE_DTYPES, f"ring dtype {ring.dtype} not in {L.STORAGE_DTYPES}")
-    slots, ring_cap = ring.shape[0], ring.shape[1]
-    need(slots * ring_cap == 0 or ring.shape[2] == W, f"ring width {ring.shape[2]} != W {W}")
-    need(tuple(ring_labels.shape) == (slots, ring_cap, L.LABEL_FIELDS),
-         f"ring_labels shape {tuple(ring_labels.shape)} != {(slots, ring_cap, L.LABEL_FIELDS)}")
+    ring_rows = ring.shape[0]
+    need(ring_rows == 0 or ring.shape[1] == W, f"ring width {ring.shape[1]} != W {W}")
+    need(tuple(ring_labels.shape) == (ring_rows, L.LABEL_FIELDS),
+         f"ring_labels shape {tuple(ring_labels.shape)} != {(ring_rows, L.LABEL_FIELDS)}")
     need(acc.dim() == 2 and acc.dtype == torch.float32, "acc must be fp32 [acc_slots, W]")
     n_acc = acc.shape[0]
     need(n_acc == 0 or acc.shape[1] == W, f"acc width {acc.shape[1]} != W {W}")
@@ -169,7 +170,7 @@ def _check(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc
          f"plan must be entry-major, strides (1, {L.PLAN_FIELDS}) (layout.new_plan_buffers), "
          f"got {plan.stride()}")
     need(plan.device == x.device, f"plan on {plan.device}, x on {x.device}")
-    return T, W, cap, slots, ring_cap, n_acc
+    return T, W, cap, ring_rows, n_acc
 
 
 def capture_reference(
@@ -228,9 +229,9 @@ def launch_capture(
     reference otherwise; ``True`` forces the kernel (CPU tensors need ``TRITON_INTERPRET=1`` set
     before this package is imported); ``False`` forces the reference. ``residual`` and
     ``input_ids`` may be ``None`` (token labels are then ``NO_TOKEN``). A site that serves only
-    row streams may pass ``acc`` buffers with 0 slots, and vice versa a ring with 0 slots.
+    row streams may pass ``acc`` buffers with 0 slots, and vice versa a ring with 0 rows.
     """
-    T, W, cap, slots, ring_cap, n_acc = _check(x, residual, input_ids, plan_meta, plan, site, ring,
+    T, W, cap, ring_rows, n_acc = _check(x, residual, input_ids, plan_meta, plan, site, ring,
                                                ring_labels, acc, acc_labels, acc_count)
     if use_triton is None:
         use_triton = HAVE_TRITON and x.is_cuda
@@ -251,7 +252,7 @@ def launch_capture(
         ids, n_ids, stride_ids = input_ids, input_ids.shape[0], input_ids.stride(0)
     capture_site_kernel[capture_grid(T, W, cap)](
         x, res, ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count,
-        T, W, cap, slots, ring_cap, n_acc, n_ids,
+        T, W, cap, ring_rows, n_acc, n_ids,
         x.stride(0), x.stride(1), stride_rt, stride_rw, stride_ids,
         HAS_RES=has_res, UNIT_W=unit_w, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, SHORT=MEAN_SHORT,
         num_warps=NUM_WARPS,
@@ -291,7 +292,7 @@ def warmup(
     site = L.new_site_buffer(device)
     acc, acc_labels, acc_count = L.new_acc_buffers(1, W, device)
     for ring_dtype in dtypes:
-        ring, ring_labels = L.new_ring_buffers(1, cap, W, ring_dtype, device)
+        ring, ring_labels = L.new_ring_buffers(cap, W, ring_dtype, device)
         for x_dtype in x_dtypes:
             xs = [torch.zeros(2, W, dtype=x_dtype, device=device)]
             if strided_columns:

@@ -1,18 +1,19 @@
-"""Row gather (``MODE_ROWS``): planned activation rows -> one ring slot, with labels.
+"""Row gather (``MODE_ROWS``): planned activation rows -> the ring, at this step's offset, with labels.
 
 Semantics (shared by the Triton device function and the torch reference), for
-``r < n = clamp(plan_meta[META_COUNT], 0, min(T, cap, ring_cap))``::
+``r < n = clamp(plan_meta[META_COUNT], 0, min(T, cap))`` and ``offset = plan_meta[META_OFFSET]``::
 
     row = plan[PLAN_ROW, r]
-    ring[slot, r, :]     = cast(fp32(x[row]) (+ fp32(residual[row])))     # add in fp32, one rounding
-    ring_labels[slot, r] = (plan[PLAN_REQ, r], plan[PLAN_POS, r], int32(input_ids[row]))
+    ring[offset + r, :]     = cast(fp32(x[row]) (+ fp32(residual[row])))     # add in fp32, one rounding
+    ring_labels[offset + r] = (plan[PLAN_REQ, r], plan[PLAN_POS, r], int32(input_ids[row]))
 
-with ``slot = plan_meta[META_SLOT]``; nothing is written when the slot is outside ``[0, slots)``.
-``n`` is capped by ``T`` because planned rows are distinct rows of this step (so ``count <= T``),
-and that keeps the grid a function of ``x.shape[0]`` alone. A planned row outside ``[0, T)`` is a
-host bug; the kernel still stays in bounds and writes zeros with token id ``NO_TOKEN`` for it. The
-token id is also ``NO_TOKEN`` when ``row >= len(input_ids)`` or no ``input_ids`` is given.
-Entries ``r >= n`` of the slot are left as they were (the drain reads only ``count`` rows).
+Nothing is written when ``offset < 0``, and entries with ``offset + r >= ring_rows`` are skipped
+(the host never plans past the ring's end; the kernel still stays in bounds). ``n`` is capped by
+``T`` because planned rows are distinct rows of this step (so ``count <= T``), and that keeps the
+grid a function of ``x.shape[0]`` alone. A planned row outside ``[0, T)`` is a host bug; the kernel
+still stays in bounds and writes zeros with token id ``NO_TOKEN`` for it. The token id is also
+``NO_TOKEN`` when ``row >= len(input_ids)`` or no ``input_ids`` is given. Ring rows outside
+``[offset, offset + n)`` are left as they were: they hold other steps' rows, not drained yet.
 """
 
 from __future__ import annotations
@@ -37,16 +38,16 @@ if HAVE_TRITON:
     @triton.jit
     def gather_rows_tile(
         x_ptr, res_ptr, ids_ptr, plan_ptr, ring_ptr, ring_labels_ptr,
-        n, slot, T, cap, ring_cap, W, n_ids,
+        n, offset, T, cap, W, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         pid_r, pid_w,
         HAS_RES: tl.constexpr, UNIT_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         """Copy plan entries ``[pid_r*BLOCK_R, +BLOCK_R) & < n`` x columns ``[pid_w*BLOCK_W, +BLOCK_W)``.
 
-        ``n`` (already clamped) and ``slot`` (already range-checked) come from device memory, so
-        the same compiled kernel and grid serve every step of a captured graph. Labels are written
-        once per row, by the ``pid_w == 0`` column block.
+        ``n`` (already clamped to the ring's end) and ``offset`` (already checked >= 0) come from
+        device memory, so the same compiled kernel and grid serve every step of a captured graph.
+        Labels are written once per row, by the ``pid_w == 0`` column block.
         """
         r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < n
@@ -59,7 +60,7 @@ if HAVE_TRITON:
         lmask = row_ok[:, None] & cmask[None, :]
         v = load_rows_f32(x_ptr, res_ptr, row64[:, None], cols64[None, :], lmask,
                           stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
-        dst = slot.to(tl.int64) * ring_cap + r.to(tl.int64)                  # ring row index
+        dst = offset.to(tl.int64) + r.to(tl.int64)                          # ring row index
         tl.store(ring_ptr + dst[:, None] * W + cols64[None, :],
                  from_f32(v, ring_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
@@ -107,7 +108,7 @@ def gather_rows_reference(
 
     ``enabled`` may be a 0-d bool tensor (``site[SITE_ENABLED] != 0``) so the caller needs no sync.
     With ``allow_sync=False`` (the default off CPU) nothing reads device values on the host: every
-    decision is a device-side mask over the static ``min(T, cap, ring_cap)`` entries, so it is safe
+    decision is a device-side mask over the static ``min(T, cap, ring_rows)`` entries, so it is safe
     under CUDA-graph capture. With ``allow_sync=True`` (default on CPU, where a "sync" is free) it
     returns early when idle and only touches ``count`` entries.
     """
@@ -115,31 +116,33 @@ def gather_rows_reference(
         allow_sync = x.device.type == "cpu"
     T = x.shape[0]
     cap = plan.shape[1]
-    slots, ring_cap = ring.shape[0], ring.shape[1]
-    n_max = min(T, cap, ring_cap)
-    if slots == 0 or n_max == 0:
+    ring_rows = ring.shape[0]
+    n_max = min(T, cap, ring_rows)
+    if n_max == 0:
         return
     mode = plan_meta[L.META_MODE]
     count = plan_meta[L.META_COUNT]
-    slot = plan_meta[L.META_SLOT]
-    active = (mode == L.MODE_ROWS) & (slot >= 0) & (slot < slots) & enabled
+    offset = plan_meta[L.META_OFFSET]
+    active = (mode == L.MODE_ROWS) & (offset >= 0) & enabled
     if allow_sync:
         if not bool(active):
             return
-        n_max = min(n_max, max(0, int(count)))
-        if n_max == 0:
+        n_max = min(n_max, max(0, int(count)), ring_rows - int(offset))
+        if n_max <= 0:
             return
     device = x.device
     r = torch.arange(n_max, device=device)
-    live = active & (r < count)                                              # [n]
+    end = offset.to(torch.int64) + r
+    live = active & (r < count) & (end < ring_rows)                          # [n]
+    # n_max <= ring_rows consecutive ends are distinct mod ring_rows, so no two entries (live or
+    # dead) share a ring row; a dead entry rewrites the value it read, which keeps the update a
+    # device-side select.
+    dst = torch.remainder(end, ring_rows)
     rows = plan[L.PLAN_ROW, :n_max].to(torch.int64)
     row_ok = (rows >= 0) & (rows < T)
     rows_c = rows.clamp(0, T - 1)
     v = _rows_f32(x, residual, rows_c).masked_fill(~row_ok[:, None], 0.0)
-    slot_c = slot.to(torch.int64).clamp(0, slots - 1).expand(n_max)
-    # (slot, r) pairs are distinct, so index_put_ has no colliding writes; dead entries rewrite
-    # their old value, which keeps the whole update a device-side select.
-    ring.index_put_((slot_c, r), torch.where(live[:, None], v.to(ring.dtype), ring[slot_c, r]))
+    ring.index_put_((dst,), torch.where(live[:, None], v.to(ring.dtype), ring[dst]))
     labels = torch.stack((plan[L.PLAN_REQ, :n_max], plan[L.PLAN_POS, :n_max],
                           _token_ids(input_ids, rows_c, row_ok)), dim=1).to(torch.int32)
-    ring_labels.index_put_((slot_c, r), torch.where(live[:, None], labels, ring_labels[slot_c, r]))
+    ring_labels.index_put_((dst,), torch.where(live[:, None], labels, ring_labels[dst]))

@@ -10,7 +10,8 @@ Per stream (one stream = one selection feeding one or more sites):
 ``plan_meta`` int32 ``[META_FIELDS]``
     ``[META_MODE]``  one of ``MODE_OFF`` / ``MODE_ROWS`` / ``MODE_LAST`` / ``MODE_MEAN``;
     ``[META_COUNT]`` number of planned rows (``MODE_ROWS``) or segments (``MODE_LAST``/``MODE_MEAN``);
-    ``[META_SLOT]``  ring slot written this step (``MODE_ROWS`` only);
+    ``[META_OFFSET]`` first ring row this step's rows go to (``MODE_ROWS`` only): steps pack
+                     their rows one after another, so the host drains many steps in one copy;
     ``[3]``          reserved, keep 0.
 
 ``plan`` int32 ``[PLAN_FIELDS, cap]``, stored entry-major (strides ``(1, PLAN_FIELDS)``: the
@@ -27,7 +28,7 @@ Per site (one site = one (component, layer) call site):
     ``[SITE_EXECUTIONS]`` incremented by exactly 1 on every launch (the device-side replay counter);
     ``[SITE_ENABLED]``    0 = the launch only counts.
 
-``ring`` ``[slots, cap, W]`` (fp32/fp16/bf16), ``ring_labels`` int32 ``[slots, cap, LABEL_FIELDS]``.
+``ring`` ``[ring_rows, W]`` (fp32/fp16/bf16), ``ring_labels`` int32 ``[ring_rows, LABEL_FIELDS]``.
 
 ``acc`` fp32 ``[acc_slots, W]``, ``acc_labels`` int32 ``[acc_slots, LABEL_FIELDS]``,
 ``acc_count`` int32 ``[acc_slots]``.
@@ -42,7 +43,7 @@ import torch
 # plan_meta fields
 META_MODE = 0
 META_COUNT = 1
-META_SLOT = 2
+META_OFFSET = 2
 META_FIELDS = 4
 
 # modes
@@ -101,13 +102,13 @@ def new_site_buffer(device: torch.device | str, enabled: bool = True) -> torch.T
     return site
 
 
-def new_ring_buffers(slots: int, cap: int, width: int, dtype: torch.dtype,
+def new_ring_buffers(rows: int, width: int, dtype: torch.dtype,
                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ring [slots, cap, width], ring_labels [slots, cap, LABEL_FIELDS])``; slots may be 0."""
+    """``(ring [rows, width], ring_labels [rows, LABEL_FIELDS])``; rows may be 0."""
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"ring dtype must be one of {STORAGE_DTYPES}, got {dtype}")
-    return (torch.zeros(slots, cap, width, dtype=dtype, device=device),
-            torch.zeros(slots, cap, LABEL_FIELDS, dtype=INDEX_DTYPE, device=device))
+    return (torch.zeros(rows, width, dtype=dtype, device=device),
+            torch.zeros(rows, LABEL_FIELDS, dtype=INDEX_DTYPE, device=device))
 
 
 def new_acc_buffers(acc_slots: int, width: int, device: torch.device | str

@@ -196,26 +196,19 @@ def plan_rows(
     rows = np.repeat(scan.first_row - offsets, num_new) + np.arange(total)
     positions = scan.first_position[owner] + (rows - scan.row_start[owner])
 
-    prompt_len = np.fromiter(
-        map(_PROMPT_LEN, scan.tracks), dtype=np.int64, count=len(scan.tracks)
-    )[owner]
-    step = _StepRows(geometry, scan.tracks, owner, rows, positions, prompt_len)
-
-    status = np.full(total, _NOT_PLANNED, dtype=np.int32)
-    conditions: dict[TokenCondition, int] = {}
-    for spec, members in _group_by_clause(scan.tracks, owner):
-        if spec is None:
-            status[members] = _UNCONDITIONAL
-        else:
-            _plan_clause(spec, members, step, status, conditions)
-
-    planned = np.flatnonzero(status != _NOT_PLANNED)
-    dropped = max(0, planned.size - row_limit)
-    planned = planned[:row_limit]
-    condition = status[planned]
-    condition_list = list(conditions)
-    if condition_list:
-        condition, condition_list = _compact_conditions(condition, condition_list)
+    selects = list(map(_SELECT, scan.tracks))
+    if selects.count(None) == len(selects):
+        # Every row of every request (the common stream without a clause): nothing to decide.
+        kept = min(total, row_limit)
+        planned, dropped = slice(0, kept), total - kept
+        condition, condition_list = np.full(kept, _UNCONDITIONAL, dtype=np.int32), []
+    else:
+        planned, condition, condition_list = _plan_clauses(geometry, scan, selects, owner, rows,
+                                                           positions)
+        dropped = max(0, planned.size - row_limit)
+        planned, condition = planned[:row_limit], condition[:row_limit]
+        if condition_list:
+            condition, condition_list = _compact_conditions(condition, condition_list)
     req_index = np.fromiter(
         map(_REQ_INDEX, scan.tracks), dtype=np.int32, count=len(scan.tracks)
     )
@@ -230,18 +223,31 @@ def plan_rows(
     )
 
 
-def _group_by_clause(tracks: list[RequestTrack], owner: np.ndarray):
+def _plan_clauses(geometry, scan: _Scan, selects: list, owner, rows, positions):
+    """(planned new-row indices ascending, their condition ids, conditions) under the clauses."""
+    prompt_len = np.fromiter(
+        map(_PROMPT_LEN, scan.tracks), dtype=np.int64, count=len(scan.tracks)
+    )[owner]
+    step = _StepRows(geometry, scan.tracks, owner, rows, positions, prompt_len)
+    status = np.full(rows.size, _NOT_PLANNED, dtype=np.int32)
+    conditions: dict[TokenCondition, int] = {}
+    for spec, members in _group_by_clause(selects, owner):
+        if spec is None:
+            status[members] = _UNCONDITIONAL
+        else:
+            _plan_clause(spec, members, step, status, conditions)
+    planned = np.flatnonzero(status != _NOT_PLANNED)
+    return planned, status[planned], list(conditions)
+
+
+def _group_by_clause(selects: list, owner: np.ndarray):
     """Yield (clause, indices of new rows) per distinct clause; requests mostly share one."""
-    group_of: dict[SelectSpec | None, int] = {}
-    group = np.fromiter(
-        (group_of.setdefault(t.select, len(group_of)) for t in tracks),
-        dtype=np.int64,
-        count=len(tracks),
-    )
+    group_of = {spec: g for g, spec in enumerate(dict.fromkeys(selects))}
     specs = list(group_of)
     if len(specs) == 1:
         yield specs[0], np.arange(owner.size)
         return
+    group = np.fromiter(map(group_of.__getitem__, selects), dtype=np.int64, count=len(selects))
     row_group = group[owner]
     # Stable: each request's rows stay contiguous and ascending inside its group.
     order = np.argsort(row_group, kind="stable")

@@ -2,10 +2,12 @@
 
 The engine glue calls, per real step: ``observe_scheduler_output`` (requests that joined, finished
 or were preempted), ``begin_step(geometry)`` (plan every enabled stream and upload the plans), the
-model forward (the op writes rows on the device), then ``end_step()`` (enqueue the drain). Drained
-rows reach the stores on a harvest thread, in step order, so the step path never waits for a copy.
-Request-finish markers travel through the same queue, so a finished request's label index is only
-recycled after every row of it has been stored.
+model forward (the op writes rows on the device), then ``end_step()``. Rows of many steps gather in
+the device ring and leave it in one drain (``CaptureGraphState.drain_due``; also before the ring
+wraps and before anything reads a store: fetch, status, clear, stop). Drained rows reach the stores
+on a harvest thread, in step order, so the step path never waits for a copy. Request-finish markers
+travel through the same queue, after the drain that carries the request's last rows, so a finished
+request's label index is only recycled after every row of it has been stored.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class Stream:
     slot_last_position: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Requests this stream will not track again: failed, or reduced and finalized by a fetch.
     closed: set[str] = field(default_factory=set)
+    # reduce="all": per step whose rows wait in the device ring, (condition, conditions, rows) as
+    # planned; and finish markers of requests whose rows may be among them.
+    pending_conditions: list[tuple] = field(default_factory=list)
+    pending_finishes: list = field(default_factory=list)
 
     @property
     def reduce_mode(self) -> int:
@@ -185,8 +191,8 @@ class CaptureSession:
         if stream not in self._streams:
             raise ValueError(f"Unknown capture stream: {stream!r}")
         if self._streams[stream] is not None:
-            self.graph_state.set_enabled(stream, set())
             self._wait_harvest()
+            self.graph_state.set_enabled(stream, set())
             self._streams[stream] = None
 
     def fetch_stream(self, stream: str, clear: bool = True, layers: list[int] | None = None,
@@ -316,7 +322,10 @@ class CaptureSession:
                 if req_id in st.tracks or req_id in st.closed:
                     st.tracks.pop(req_id, None)
                     st.closed.discard(req_id)
-                    self._queue.put(_Finish(st.store, req_id))
+                    if st.pending_conditions:
+                        st.pending_finishes.append(_Finish(st.store, req_id))
+                    else:
+                        self._queue.put(_Finish(st.store, req_id))
             self._requests.pop(req_id, None)
             self._unsupported_requests.pop(req_id, None)
 
@@ -346,16 +355,17 @@ class CaptureSession:
             site = self._reference_site()
             self._step_executions_baseline = (
                 0 if site is None else int(site.counter[L.SITE_EXECUTIONS].item()) - site.eager_executions)
-        self._step_conditions: dict[str, tuple] = {}
         for st in self._active_streams():
             self._open_tracks(st, geometry)
             if st.config.reduce == "all":
                 plan = plan_rows(geometry, st.tracks, gs.capacity)
                 if plan.dropped:
                     st.store.count_dropped(plan.dropped)
+                if not gs.fits(st.component, len(plan.rows)):
+                    self._drain(st)
                 gs.upload_rows(st.component, plan.rows, plan.req_index, plan.positions)
-                self._step_conditions[st.component] = (
-                    plan.condition if plan.conditions else None, plan.conditions)
+                st.pending_conditions.append(
+                    (plan.condition if plan.conditions else None, plan.conditions, len(plan.rows)))
             else:
                 seg = plan_segments(geometry, st.tracks, st.slots)
                 st.slot_last_position[seg.slot] = seg.last_position
@@ -378,11 +388,27 @@ class CaptureSession:
             self._eager_forwards += 1
         if not any(self._streams.values()):
             return
-        for drained in gs.drain():
-            st = self._streams[drained.component]
-            condition, conditions = self._step_conditions.get(drained.component, (None, []))
-            self._queue.put(_Drained(st, drained, condition, conditions))
+        for st in self._active_streams():
+            if st.pending_conditions and gs.drain_due(st.component):
+                self._drain(st)
         gs.switch_off()
+
+    def _drain(self, st: Stream) -> None:
+        """Send the rows ``st`` holds in the device ring to the harvest thread, then the finish
+        markers that waited for them."""
+        drained = self.graph_state.drain(st.component)
+        if drained is not None:
+            condition, conditions = _merge_conditions(st.pending_conditions)
+            self._queue.put(_Drained(st, drained, condition, conditions))
+        st.pending_conditions = []
+        for finish in st.pending_finishes:
+            self._queue.put(finish)
+        st.pending_finishes = []
+
+    def _drain_all(self) -> None:
+        for st in self._active_streams():
+            if st.pending_conditions:
+                self._drain(st)
 
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
@@ -462,8 +488,10 @@ class CaptureSession:
     # ---- harvest thread -------------------------------------------------------------------------
 
     def _wait_harvest(self) -> None:
+        """Store every row captured so far: drain the device rings, then wait for the harvest."""
         if not self._harvester.is_alive():
             raise RuntimeError("capture session is shut down (the interpreter is exiting)")
+        self._drain_all()
         self._queue.put(_Flush())
         self._queue.join()
         if self._harvest_error is not None:
@@ -566,6 +594,21 @@ class CaptureSession:
             if bool(empty.any()):
                 values, meta = values[~empty], meta[~empty]
             item.stream.store.append(layer_id, values, meta, item.acc.layer_names[layer_id])
+
+
+def _merge_conditions(steps: list[tuple]) -> tuple[np.ndarray | None, list]:
+    """One (condition, conditions) for the rows of several steps, renumbering each step's
+    conditions after the ones before it; ``None`` when every row is unconditional."""
+    if all(condition is None for condition, _, _ in steps):
+        return None, []
+    parts, merged = [], []
+    for condition, conditions, rows in steps:
+        if condition is None:
+            parts.append(np.full(rows, -1, dtype=np.int32))
+        else:
+            parts.append(np.where(condition >= 0, condition + len(merged), condition))
+            merged.extend(conditions)
+    return np.concatenate(parts).astype(np.int32, copy=False), merged
 
 
 def _item_bytes(item) -> int:
