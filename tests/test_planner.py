@@ -14,6 +14,7 @@ from tests.select_reference import selected as reference_selected
 from tests.test_selection_spec import VOCAB, select_specs
 from vllm_capture.selection import (
     BatchGeometry,
+    DecodeRepeat,
     RequestTrack,
     SelectSpec,
     TokenCondition,
@@ -504,3 +505,102 @@ def test_planning_a_large_step_is_fast():
         timings.append(time.perf_counter() - start)
     assert plan.condition[:decodes].tolist() == [0] * decodes  # decode rows await their token
     assert min(timings) < 0.005, f"plan_rows took {min(timings) * 1e3:.2f} ms"
+
+
+# ---- steady decode: repeating the last plan ------------------------------------------------------
+
+
+def _plan_fields(plan):
+    names = ("rows", "req_index", "positions", "condition") if hasattr(plan, "rows") else (
+        "slot", "row_start", "row_count", "last_position")
+    return {name: getattr(plan, name).tolist() for name in names}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_decode_repeats_plan_what_full_planning_plans(seed):
+    """Random decode runs with joins, leaves, reorders, multi-row steps, preemptions, untracked and
+    clause requests: where DecodeRepeat repeats a step, its plan and the tracks it advances equal
+    what plan_rows / plan_segments give on a second set of tracks."""
+    rng = np.random.default_rng(seed)
+    computed: dict[str, int] = {}
+    untracked, with_clause = set(), set()
+    full, fast = {}, {}  # kind -> tracks
+    for kind in ("rows", "segments"):
+        full[kind], fast[kind] = {}, {}
+    slots: dict[str, int] = {}
+    repeat = {"rows": None, "segments": None}
+    repeats = 0
+    for step in range(80):
+        if not computed or rng.random() < 0.08:
+            rid = f"r{step}"
+            computed[rid] = 0
+            slots[rid] = len(slots)
+            if rng.random() < 0.1:
+                untracked.add(rid)
+            else:
+                clause = rng.random() < 0.15
+                if clause:
+                    with_clause.add(rid)
+                for kind in full:
+                    for tracks in (full[kind], fast[kind]):
+                        tracks[rid] = RequestTrack(
+                            req_index=slots[rid], prompt_len=5,
+                            select=SelectSpec(generation="all") if clause and kind == "rows"
+                            else None)
+        leaving = [rid for rid in untracked if rid in computed and computed[rid] > 8]
+        if len(computed) > 1 and rng.random() < 0.05:
+            leaving.append(rng.choice(sorted(computed)))
+        for gone in dict.fromkeys(leaving):
+            del computed[gone]
+            for kind in full:
+                full[kind].pop(gone, None)
+                fast[kind].pop(gone, None)
+                repeat[kind] = None  # as the session does when tracks change
+        order = sorted(computed)
+        if rng.random() < 0.05:
+            rng.shuffle(order)
+        rows = {rid: (rng.integers(2, 6) if computed[rid] == 0 or rng.random() < 0.04 else 1)
+                for rid in order}
+        if rng.random() < 0.03:
+            computed[order[0]] = 0  # preempted: recomputed from the start
+        geo = geometry(rows, num_computed=[computed[rid] for rid in order])
+        for kind in full:
+            tracks = full[kind]
+            expect = (plan_rows(geo, full[kind], row_limit=1 << 20) if kind == "rows"
+                      else plan_segments(geo, full[kind], slots))
+            got = None if repeat[kind] is None else repeat[kind].plan_for(geo)
+            if got is None:
+                got = (plan_rows(geo, fast[kind], row_limit=1 << 20) if kind == "rows"
+                       else plan_segments(geo, fast[kind], slots))
+                repeat[kind] = DecodeRepeat.after(geo, fast[kind], got)
+            else:
+                repeats += 1
+            assert _plan_fields(got) == _plan_fields(expect), (step, kind)
+            assert {r: t.next_position for r, t in fast[kind].items()} == {
+                r: t.next_position for r, t in tracks.items()}
+        for rid in order:
+            computed[rid] += int(rows[rid])
+    assert repeats > 0
+
+
+def test_decode_repeat_requires_one_planned_row_per_request():
+    tracks = {"a": RequestTrack(req_index=0, prompt_len=2), "b": RequestTrack(req_index=1, prompt_len=2)}
+    geo = geometry({"a": 1, "b": 1}, num_computed=[4, 7])
+    plan = plan_rows(geo, tracks, row_limit=8)
+    repeat = DecodeRepeat.after(geo, tracks, plan)
+    assert repeat is not None
+    assert repeat.plan_for(geometry({"a": 1, "b": 1}, num_computed=[4, 7])) is None  # no progress
+    assert repeat.plan_for(geometry({"b": 1, "a": 1}, num_computed=[8, 5])) is None  # reordered
+    again = repeat.plan_for(geometry({"a": 1, "b": 1}, num_computed=[5, 8]))
+    assert again.positions.tolist() == [5, 8] and again.rows.tolist() == [0, 1]
+    assert tracks["a"].next_position == 6 and tracks["b"].next_position == 9
+    # Not repeatable: a cut plan, a two-row request, an untracked request, a clause.
+    assert DecodeRepeat.after(geo, tracks, plan_rows(geo, tracks, row_limit=1)) is None
+    two = geometry({"a": 2, "b": 1}, num_computed=[6, 9])
+    assert DecodeRepeat.after(two, tracks, plan_rows(two, tracks, row_limit=8)) is None
+    extra = geometry({"a": 1, "b": 1, "c": 1}, num_computed=[8, 10, 0])
+    assert DecodeRepeat.after(extra, tracks, plan_rows(extra, tracks, row_limit=8)) is None
+    tracks["b"] = RequestTrack(req_index=1, prompt_len=2, select=SelectSpec(generation="all"),
+                               next_position=11)
+    nxt = geometry({"a": 1, "b": 1}, num_computed=[9, 11])
+    assert DecodeRepeat.after(nxt, tracks, plan_rows(nxt, tracks, row_limit=8)) is None

@@ -2,6 +2,7 @@
 
 from .geometry import BatchGeometry
 from .planner import (
+    DecodeRepeat,
     RequestTrack,
     RowPlan,
     SegmentPlan,
@@ -15,6 +16,7 @@ __all__ = [
     "PHASE_ALL",
     "UNKNOWN_TOKEN",
     "BatchGeometry",
+    "DecodeRepeat",
     "RequestTrack",
     "RowMatch",
     "RowPlan",

@@ -13,7 +13,7 @@ never duplicate or mislabel rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import compress
 from operator import attrgetter
 
@@ -23,6 +23,7 @@ from .geometry import BatchGeometry
 from .spec import RowMatch, SelectSpec
 
 __all__ = [
+    "DecodeRepeat",
     "RequestTrack",
     "RowPlan",
     "SegmentPlan",
@@ -347,3 +348,55 @@ def plan_segments(
         row_count=scan.num_new[has_rows].astype(np.int32),
         last_position=(scan.end_position[has_rows] - 1).astype(np.int32),
     )
+
+
+@dataclass(eq=False)
+class DecodeRepeat:
+    """A planned step of one new row per request, every request tracked and without a clause.
+
+    The next step repeats it when it holds the same requests in the same order, each one position
+    further (steady decode, the most common step): its plan is this one with the positions moved
+    on, so :meth:`plan_for` skips planning and only advances the tracks.
+    """
+
+    req_ids: tuple[str, ...]
+    tracks: list[RequestTrack]
+    plan: RowPlan | SegmentPlan
+    next_computed: np.ndarray  # int64: each request's first position in a repeat
+
+    @classmethod
+    def after(cls, geometry: BatchGeometry, tracks: dict[str, RequestTrack],
+              plan: RowPlan | SegmentPlan) -> DecodeRepeat | None:
+        """The repeat of a step just planned into ``plan``, or None if the step was not one row
+        per request, every row planned unconditionally."""
+        n = geometry.num_reqs
+        if n == 0 or geometry.num_rows != n:
+            return None
+        if isinstance(plan, RowPlan):
+            if plan.dropped or plan.conditions or len(plan.rows) != n:
+                return None
+        elif len(plan.slot) != n:
+            return None
+        found = list(map(tracks.get, geometry.req_ids))
+        if None in found or set(map(_SELECT, found)) != {None}:
+            return None
+        next_computed = geometry.num_computed + 1
+        planned = np.fromiter(map(_NEXT_POSITION, found), dtype=np.int64, count=n)
+        if not np.array_equal(planned, next_computed):
+            return None
+        return cls(geometry.req_ids, found, plan, next_computed)
+
+    def plan_for(self, geometry: BatchGeometry) -> RowPlan | SegmentPlan | None:
+        """This step's plan if it repeats the last one (and advance the tracks), else None."""
+        if (geometry.req_ids != self.req_ids or geometry.num_rows != len(self.req_ids)
+                or not np.array_equal(geometry.num_computed, self.next_computed)):
+            return None
+        positions = geometry.num_computed.astype(np.int32)
+        if isinstance(self.plan, RowPlan):
+            self.plan = replace(self.plan, positions=positions)
+        else:
+            self.plan = replace(self.plan, last_position=positions)
+        self.next_computed = geometry.num_computed + 1
+        for track, end in zip(self.tracks, self.next_computed.tolist()):
+            track.next_position = end
+        return self.plan

@@ -26,7 +26,14 @@ import numpy as np
 import torch
 
 from vllm_capture.kernels import layout as L
-from vllm_capture.selection import BatchGeometry, RequestTrack, SelectSpec, plan_rows, plan_segments
+from vllm_capture.selection import (
+    BatchGeometry,
+    DecodeRepeat,
+    RequestTrack,
+    SelectSpec,
+    plan_rows,
+    plan_segments,
+)
 from vllm_capture.session.components import COMPONENTS
 from vllm_capture.session.config import StreamConfig
 from vllm_capture.session.store import StreamStore
@@ -79,6 +86,8 @@ class Stream:
     # planned; and finish markers of requests whose rows may be among them.
     pending_conditions: list[tuple] = field(default_factory=list)
     pending_finishes: list = field(default_factory=list)
+    # The last step, if the next one may repeat it (steady decode); dropped whenever tracks change.
+    repeat: DecodeRepeat | None = None
 
     @property
     def reduce_mode(self) -> int:
@@ -320,6 +329,7 @@ class CaptureSession:
         for req_id in req_ids:
             for st in self._active_streams():
                 if req_id in st.tracks or req_id in st.closed:
+                    st.repeat = None
                     st.tracks.pop(req_id, None)
                     st.closed.discard(req_id)
                     if st.pending_conditions:
@@ -356,9 +366,13 @@ class CaptureSession:
             self._step_executions_baseline = (
                 0 if site is None else int(site.counter[L.SITE_EXECUTIONS].item()) - site.eager_executions)
         for st in self._active_streams():
-            self._open_tracks(st, geometry)
+            plan = None if st.repeat is None else st.repeat.plan_for(geometry)
+            if plan is None:
+                self._open_tracks(st, geometry)
+                plan = (plan_rows(geometry, st.tracks, gs.capacity) if st.config.reduce == "all"
+                        else plan_segments(geometry, st.tracks, st.slots))
+                st.repeat = DecodeRepeat.after(geometry, st.tracks, plan)
             if st.config.reduce == "all":
-                plan = plan_rows(geometry, st.tracks, gs.capacity)
                 if plan.dropped:
                     st.store.count_dropped(plan.dropped)
                 if not gs.fits(st.component, len(plan.rows)):
@@ -367,10 +381,9 @@ class CaptureSession:
                 st.pending_conditions.append(
                     (plan.condition if plan.conditions else None, plan.conditions, len(plan.rows)))
             else:
-                seg = plan_segments(geometry, st.tracks, st.slots)
-                st.slot_last_position[seg.slot] = seg.last_position
-                gs.upload_segments(st.component, st.reduce_mode, seg.row_start, seg.row_count,
-                                   seg.slot, st.slot_req_index[seg.slot])
+                st.slot_last_position[plan.slot] = plan.last_position
+                gs.upload_segments(st.component, st.reduce_mode, plan.row_start, plan.row_count,
+                                   plan.slot, st.slot_req_index[plan.slot])
         gs.step_eager_launches = 0
         gs.step_active = True
 
@@ -470,6 +483,7 @@ class CaptureSession:
         req_ids = list(dict.fromkeys(r for r in req_ids if r in st.slots))
         if not req_ids:
             return
+        st.repeat = None
         slots = [st.slots[r] for r in req_ids]
         drained = self.graph_state.read_acc_slots(st.component, slots)
         positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
