@@ -1,44 +1,256 @@
-"""The shared-memory fetch path: the probe handshake, the file round trip and its refusals."""
+"""The shared-memory fetch path: the probe handshake, the file round trip and its refusals.
+
+Replies are built the way the worker builds them (``StreamStore.serialize(raw_data=True)``, then
+``shm.write_reply``); the bytes path (``shared=False``, what a client on another host gets) is
+the reference every shared-memory result must equal bit for bit.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import warnings
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from vllm_capture.session import shm
-from vllm_capture.session.wire import deserialize_captured, serialize_capture_layer
+import vllm_capture.session.config as config_module
+import vllm_capture.session.store as store_module
+from vllm_capture.api import join_shards
+from vllm_capture.session import StreamConfig, StreamStore, shm
+from vllm_capture.session.components import ATTENTION_HEADS
+from vllm_capture.session.wire import deserialize_captured
 
 pytestmark = pytest.mark.skipif(not os.access(shm.SHM_DIR, os.W_OK), reason="no writable /dev/shm")
 
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-def _reply(rows_per_layer=(3, 0, 5), width=4, raw_data=True):
-    layers = {}
-    for layer, rows in enumerate(rows_per_layer):
-        t = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width).to(torch.bfloat16) + layer
-        meta = torch.tensor([[0, p, 10 + p] for p in range(rows)], dtype=torch.int32).reshape(rows, 3)
-        layers[str(layer)] = serialize_capture_layer(t, meta, {0: "req-0"}, f"model.layers.{layer}",
-                                                     raw_data=raw_data)
-    return {"tp_rank": 0, "tp_size": 1, "layers": layers}
+
+@pytest.fixture(autouse=True)
+def _quiet_unbounded_warning(monkeypatch):
+    monkeypatch.setattr(config_module, "_warned_unbounded", True)
+
+
+def _store(layers=(0, 1, 2), width=6, dtype=torch.bfloat16, requests=3, steps=(5, 1, 1, 1),
+           seed=0) -> StreamStore:
+    """A store holding, per layer, a prefill step then decode steps of ``requests`` requests
+    (distinct random values everywhere, so any misplaced row shows)."""
+    g = torch.Generator().manual_seed(seed)
+    store = StreamStore(StreamConfig())
+    index = [store.request_index(f"req{r}-0123abcd") for r in range(requests)]
+    position = [0] * requests
+    for rows in steps:
+        meta = []
+        for r in reversed(range(requests)):  # the store regroups rows by request
+            meta += [[index[r], position[r] + i, 7 * r + i] for i in range(rows)]
+            position[r] += rows
+        meta = torch.tensor(meta, dtype=torch.int32)
+        values = {layer: (torch.randn(len(meta), width, generator=g) * 100).to(dtype)
+                  for layer in layers}
+        store.append_layers(values, meta, {layer: f"model.layers.{layer}" for layer in layers})
+    return store
+
+
+def _reply(store, rank=0, tp=1, **fetch):
+    data = store.serialize(raw_data=True, **fetch)
+    return {"tp_rank": rank, "tp_size": tp, "layers": {str(k): v for k, v in data.items()}}
+
+
+def _via_both(make_store, **fetch):
+    """``(via shared memory, via bytes)``, each decoded, from two identical stores."""
+    via_file = shm.write_reply(_reply(make_store(), **fetch))
+    via_bytes = shm.write_reply(_reply(make_store(), **fetch), shared=False)
+    assert "shm_path" in via_file and "shm_path" not in via_bytes
+    assert all(type(v["data"]) is bytes for v in via_bytes["layers"].values())
+    return (deserialize_captured(shm.read_replies([via_file])[0]["layers"]),
+            deserialize_captured(via_bytes["layers"]))
+
+
+def _assert_same(got, want):
+    (got_t, got_m), (want_t, want_m) = got, want
+    assert sorted(got_t) == sorted(want_t)
+    for layer in want_t:
+        assert got_t[layer].dtype == want_t[layer].dtype
+        assert got_t[layer].shape == want_t[layer].shape
+        # bit for bit: compare the raw bits, not values (NaN, -0.0)
+        assert got_t[layer].view(torch.uint8).equal(want_t[layer].view(torch.uint8))
+        assert got_m[layer].req_ids == want_m[layer].req_ids
+        assert torch.equal(got_m[layer].positions, want_m[layer].positions)
+        assert torch.equal(got_m[layer].token_ids, want_m[layer].token_ids)
 
 
 def _shm_files() -> set[str]:
     return {f for f in os.listdir(shm.SHM_DIR) if f.startswith(shm.PREFIX + "rows-")}
 
 
-def test_rows_round_trip_through_shared_memory_and_the_file_is_removed():
+@pytest.mark.parametrize("large_copy", [None, 0], ids=["numpy-copies", "torch-copies"])
+@pytest.mark.parametrize("steps", [(5, 1, 1, 1), (1,) * 12, (4,)],
+                         ids=["prefill+decode", "decode-scatter", "one-chunk"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shared_memory_round_trip_equals_the_bytes_path(monkeypatch, dtype, steps, large_copy):
+    if large_copy is not None:
+        monkeypatch.setattr(store_module, "_LARGE_COPY", large_copy)
     before = _shm_files()
-    want = deserialize_captured(_reply(raw_data=False)["layers"])
-    reply = shm.write_reply(_reply())
-    assert "shm_path" in reply and all("data" not in v for v in reply["layers"].values())
-    assert os.path.exists(reply["shm_path"])
-    got = deserialize_captured(shm.read_replies([reply])[0]["layers"])
+    got, want = _via_both(lambda: _store(dtype=dtype, steps=steps, requests=10))
+    _assert_same(got, want)
+    assert len(want[0]) == 3 and all(t.dtype == dtype for t in got[0].values())
     assert _shm_files() == before
-    for layer in want[0]:
-        assert torch.equal(got[0][layer], want[0][layer])
-        assert torch.equal(got[1][layer].positions, want[1][layer].positions)
-        assert got[1][layer].req_ids == want[1][layer].req_ids
+
+
+def test_request_subsets_with_clear_selected_match_the_bytes_path():
+    stores = [_store(requests=4), _store(requests=4)]
+    for req_ids, wanted in ((["req2"], {2}), (["req0-0123abcd", "req3"], {0, 3}), (None, {1})):
+        replies = [_reply(s, req_ids=req_ids, clear_selected=True) for s in stores]
+        got = deserialize_captured(shm.read_replies([shm.write_reply(replies[0])])[0]["layers"])
+        want = deserialize_captured(shm.write_reply(replies[1], shared=False)["layers"])
+        _assert_same(got, want)
+        assert set(got[1][0].req_ids) == {f"req{r}-0123abcd" for r in wanted}
+    assert all(s.serialize() == {} for s in stores)  # everything was drained
+
+
+def test_rows_stay_valid_when_the_store_changes_before_the_copy():
+    """The worker copies after serialize returned (and released the lock): removing, compacting
+    or appending rows meanwhile must not change what the reply carries."""
+    want = deserialize_captured(_store(requests=4).serialize(req_ids=["req1", "req2"]))
+    store = _store(requests=4)
+    reply = _reply(store, req_ids=["req1", "req2"], clear_selected=True)
+    store.serialize(req_ids=["req0"], clear_selected=True)  # compacts the shared chunks
+    store.clear()
+    _store(requests=4, seed=1)  # other allocations reuse freed memory
+    _assert_same(deserialize_captured(shm.read_replies([shm.write_reply(reply)])[0]["layers"]),
+                 want)
+
+
+def test_mixed_dtypes_in_one_layer_promote_on_both_paths():
+    def make():
+        store = StreamStore(StreamConfig())
+        a, b = store.request_index("a"), store.request_index("b")
+        g = torch.Generator().manual_seed(3)
+        for index, dtype in ((a, torch.bfloat16), (b, torch.float16), (a, torch.bfloat16)):
+            meta = torch.tensor([[index, p, p] for p in range(3)], dtype=torch.int32)
+            store.append(0, torch.randn(3, 5, generator=g).to(dtype), meta, "l0")
+        return store
+
+    got, want = _via_both(make)
+    _assert_same(got, want)
+    assert got[0][0].dtype == torch.float32 and got[0][0].shape == (9, 5)
+    # promoted exactly: the stored bf16/fp16 values, in wire order (request a's rows first)
+    rows = list(make().chunks[0].values())
+    expected = torch.cat([rows[0].tensor.float(), rows[2].tensor.float(), rows[1].tensor.float()])
+    assert torch.equal(got[0][0], expected)
+
+
+def test_layers_of_odd_sizes_are_aligned_in_the_file():
+    def make():
+        store = StreamStore(StreamConfig())
+        a = store.request_index("a")
+        g = torch.Generator().manual_seed(4)
+        for layer, (rows, dtype) in enumerate([(3, torch.float16), (1, torch.float32),
+                                               (5, torch.bfloat16), (2, torch.float32)]):
+            meta = torch.tensor([[a, p, p] for p in range(rows)], dtype=torch.int32)
+            store.append(layer, torch.randn(rows, 3, generator=g).to(dtype), meta, f"l{layer}")
+        return store
+
+    reply = shm.write_reply(_reply(make()))
+    assert all(v["shm_offset"] % shm.ALIGN == 0 for v in reply["layers"].values())
+    got = deserialize_captured(shm.read_replies([reply])[0]["layers"])
+    want = deserialize_captured(shm.write_reply(_reply(make()), shared=False)["layers"])
+    _assert_same(got, want)
+
+
+def test_returned_tensors_are_writable_views_independent_of_the_deleted_file():
+    reply = shm.write_reply(_reply(_store(dtype=torch.float32)))
+    path = reply["shm_path"]
+    with open(path, "rb") as f:  # kept open to look at the file after it is deleted
+        shm.read_replies([reply])
+        assert not os.path.exists(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. torch's "non-writable array" warning
+            tensors, _ = deserialize_captured(reply["layers"])
+        original = tensors[0].clone()
+        file_before = f.read()
+        for t in tensors.values():
+            t.fill_(-1.0)
+        f.seek(0)
+        assert f.read() == file_before  # a private mapping: writes never reach the file
+    assert all(bool((t == -1.0).all()) for t in tensors.values())
+    # Not copied: the tensors are the mapping read_reply handed to the decoder.
+    assert (np.frombuffer(reply["layers"]["0"]["data"], dtype=np.float32) == -1.0).all()
+    assert not torch.equal(original, tensors[0])
+    # The tensors outlive the reply and the file.
+    del reply
+    assert tensors[1].sum().item() == -tensors[1].numel()
+
+
+def test_bytes_path_tensors_own_their_memory():
+    reply = shm.write_reply(_reply(_store()), shared=False)
+    tensors, _ = deserialize_captured(reply["layers"])
+    data = reply["layers"]["0"]["data"]
+    tensors[0].zero_()
+    assert any(data)  # the msgpack-style bytes are untouched
+
+
+def test_not_enough_space_falls_back_to_bytes(monkeypatch):
+    before = _shm_files()
+    want = deserialize_captured(shm.write_reply(_reply(_store()), shared=False)["layers"])
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
+    reply = shm.write_reply(_reply(_store()))
+    assert "shm_path" not in reply and _shm_files() == before
+    _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
+
+
+def test_a_full_dev_shm_at_reservation_falls_back_to_bytes_and_leaves_no_file(monkeypatch):
+    before = _shm_files()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    reply = shm.write_reply(_reply(_store()))
+    assert "shm_path" not in reply and _shm_files() == before
+    assert all(type(v["data"]) is bytes for v in reply["layers"].values())
+
+
+def test_a_failed_copy_leaves_no_file():
+    before = _shm_files()
+    reply = _reply(_store())
+
+    def broken(out):
+        raise RuntimeError("copy failed")
+
+    layer = reply["layers"]["1"]
+    layer["data"] = SimpleNamespace(nbytes=layer["data"].nbytes, copy_into=broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        shm.write_reply(reply)
+    assert _shm_files() == before
+
+
+def test_a_reply_without_rows_carries_no_file():
+    store = StreamStore(StreamConfig())
+    store.request_index("a")
+    reply = shm.write_reply(_reply(store))
+    assert reply["layers"] == {} and "shm_path" not in reply
+    assert deserialize_captured(shm.read_replies([reply])[0]["layers"]) == ({}, {})
+
+
+def test_attention_head_shards_through_shared_memory_join():
+    heads = {rank: _store(layers=(0, 2), width=4, seed=rank) for rank in range(2)}
+    copies = {rank: _store(layers=(0, 2), width=4, seed=rank) for rank in range(2)}
+    replies = []
+    for rank in (1, 0):
+        reply = _reply(heads[rank], rank=rank, tp=2)
+        for info in reply["layers"].values():
+            info["layout"] = {"width": 4, "num_heads": 2, "head_size": 2}
+        replies.append(shm.write_reply(reply))
+    assert all("shm_path" in r for r in replies)
+    tensors, meta, layouts = join_shards(ATTENTION_HEADS, shm.read_replies(replies))
+    for layer in (0, 2):
+        parts = [deserialize_captured(copies[r].serialize())[0][layer] for r in range(2)]
+        assert tensors[layer].view(torch.int16).equal(torch.cat(parts, dim=1).view(torch.int16))
+        assert tensors[layer].dtype == torch.bfloat16
+        assert layouts[layer]["num_heads"] == 4 and layouts[layer]["heads_per_rank"] == [2, 2]
 
 
 def test_the_worker_uses_shared_memory_only_when_it_reads_the_clients_probe(tmp_path):
@@ -49,25 +261,27 @@ def test_the_worker_uses_shared_memory_only_when_it_reads_the_clients_probe(tmp_
     assert not shm.worker_sees(None) and not shm.worker_sees("probe")
 
 
-def test_a_reply_without_rows_or_without_a_shared_dev_shm_carries_bytes():
-    want = deserialize_captured(_reply(raw_data=False)["layers"])
-    for reply in (shm.write_reply(_reply(rows_per_layer=(0, 0))),
-                  shm.write_reply(_reply(), shared=False)):
-        assert "shm_path" not in reply
-        assert all(type(v["data"]) is bytes for v in reply["layers"].values())
-    got = deserialize_captured(reply["layers"])
-    assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])
-
-
-def test_a_reply_naming_a_foreign_file_or_a_bad_span_is_refused(tmp_path):
+def test_a_reply_naming_a_foreign_file_or_a_bad_span_is_refused():
     with pytest.raises(ValueError, match="unexpected shared-memory file"):
         shm.read_reply({"shm_path": "/etc/passwd", "layers": {}})
-    reply = shm.write_reply(_reply())
-    reply["layers"]["2"]["shm_nbytes"] += 1
-    other = shm.write_reply(_reply())
+    reply = shm.write_reply(_reply(_store()))
+    reply["layers"]["2"]["shm_nbytes"] += 10**6
+    other = shm.write_reply(_reply(_store()))
     paths = [reply["shm_path"], other["shm_path"]]
     assert all(os.path.exists(p) for p in paths)
     with pytest.raises(ValueError, match="layer 2: shared-memory span"):
         shm.read_replies([reply, other])
     # Both files are gone although the first reply was bad.
     assert not any(os.path.exists(p) for p in paths)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_replies_survive_msgpack_like_the_rpc(shared):
+    msgspec = pytest.importorskip("msgspec")
+    want = deserialize_captured(_store().serialize())
+    reply = _reply(_store())
+    assert shm.write_reply(reply, shared=shared) is reply  # in place
+    sent = msgspec.msgpack.decode(msgspec.msgpack.encode(reply))
+    assert ("shm_path" in sent) is shared
+    got = deserialize_captured(shm.read_replies([sent])[0]["layers"])
+    _assert_same(got, want)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import vllm_capture.session.config as config_module
+import vllm_capture.session.store as store_module
 from vllm_capture.selection import SelectSpec
 from vllm_capture.session import (
     StreamConfig,
@@ -17,6 +18,7 @@ from vllm_capture.session import (
     deserialize_captured,
     resolve_storage_dtype,
 )
+from vllm_capture.session.store import FetchedRows
 
 WIDTH = 4
 
@@ -849,3 +851,52 @@ def test_budget_drop_counts_each_row_once_across_layers():
     assert store.tokens_dropped == 2
     store.count_dropped(4)
     assert store.status()["tokens_dropped"] == 6
+
+
+# --------------------------------------------------------- raw_data: rows copied by the caller
+
+
+@pytest.mark.parametrize("fetch", [{}, {"req_ids": ["b"]}, {"layers": [1]}])
+@pytest.mark.parametrize("large_copy", [None, 0], ids=["numpy-copies", "torch-copies"])
+def test_raw_data_fetch_hands_out_rows_to_copy_once(monkeypatch, fetch, large_copy):
+    """serialize(raw_data=True) sizes the rows without copying them; copying them into a
+    buffer (the worker's shared-memory file), or into bytes, gives the bytes path's payload."""
+    if large_copy is not None:
+        monkeypatch.setattr(store_module, "_LARGE_COPY", large_copy)
+
+    def make():
+        store = StreamStore(StreamConfig())
+        a, b = store.request_index("a"), store.request_index("b")
+        store.append_layers({0: _rows(a, [0, 1, 2])[0], 1: _rows(a, [0, 1, 2], 1)[0]},
+                            _rows(a, [0, 1, 2])[1], {0: "l0", 1: "l1"})
+        for p in range(3, 15):  # decode steps of both requests, fp16 into fp32 layer 1
+            values, meta = _interleaved([(b, p), (a, p)])
+            store.append_layers({0: values, 1: values.to(torch.float16)}, meta,
+                                {0: "l0", 1: "l1"})
+        return store
+
+    want = make().serialize(**fetch)
+    got = make().serialize(raw_data=True, clear_selected=True, **fetch)
+    assert sorted(got) == sorted(want)
+    for layer, info in got.items():
+        rows = info.pop("data")
+        expected = want[layer].pop("data")
+        assert info == want[layer]  # everything but the rows is already final
+        assert isinstance(rows, FetchedRows) and rows.nbytes == len(expected)
+        buffer = bytearray(rows.nbytes)
+        rows.copy_into(buffer)
+        assert bytes(buffer) == expected == rows.tobytes()
+        assert rows.tensor().shape == rows.shape == tuple(info["shape"])
+        with pytest.raises(ValueError, match=r"writable \d+-byte buffer, got a \d+-byte one"):
+            rows.copy_into(bytearray(rows.nbytes + 4))
+        with pytest.raises(ValueError, match="read-only"):
+            rows.copy_into(bytes(rows.nbytes))
+
+
+def test_raw_data_rows_of_one_whole_chunk_are_not_copied_until_asked():
+    store = StreamStore(StreamConfig())
+    a = store.request_index("a")
+    store.append(0, *_rows(a, [0, 1]), "l0")
+    rows = store.serialize(raw_data=True)[0]["data"]
+    (chunk,) = store.chunks[0].values()
+    assert rows.tensor() is chunk.tensor  # what the bytes path has always encoded directly

@@ -1,6 +1,7 @@
 """Wire format: bit-exact round trips, msgpack-safe values, hostile payloads."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -171,6 +172,33 @@ def test_spec_error_texts():
     )
     with pytest.raises(ValueError, match="capture layer 0 has invalid request indices"):
         deserialize_captured({0: out_of_range})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_copies_read_only_rows_and_views_writable_ones(dtype):
+    """msgpack's bytes are copied out (the tensor owns its memory); a writable buffer (the
+    private mapping shm.read_reply hands over) is viewed, not copied, and stays writable."""
+    tensor, meta, table = _sample_layer(dtype)
+    wire = serialize_capture_layer(tensor, meta, table, "l")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns about tensors over read-only arrays
+        copied, _ = deserialize_captured({0: wire})
+        buffer = bytearray(wire["data"])
+        viewed, _ = deserialize_captured({0: dict(wire, data=memoryview(buffer))})
+    for decoded in (copied, viewed):
+        assert decoded[0].dtype == dtype
+        assert torch.equal(decoded[0].view(torch.int8), tensor.view(torch.int8))
+    copied[0].zero_()  # its own memory: the bytes are untouched
+    assert bytes(buffer) == wire["data"]
+    viewed[0].zero_()  # a view: the buffer changes
+    assert not any(buffer)
+    # A writable but misaligned buffer is copied (numpy and torch want aligned rows).
+    padded = bytearray(1 + len(wire["data"]))
+    padded[1:] = wire["data"]
+    odd, _ = deserialize_captured({0: dict(wire, data=memoryview(padded)[1:])})
+    assert torch.equal(odd[0].view(torch.int8), tensor.view(torch.int8))
+    odd[0].zero_()
+    assert bytes(padded[1:]) == wire["data"]
 
 
 def test_extra_keys_such_as_layout_are_ignored():

@@ -10,7 +10,10 @@ enters.
 Each ``append`` (one layer, one engine step, many requests) becomes one
 chunk, copied once and grouped by request; draining a request marks its rows
 dead, and chunks are freed when empty and compacted when mostly dead (see
-``StreamStore``).
+``StreamStore``). A fetch with ``raw_data`` copies no rows: it hands out each
+layer's rows as a ``FetchedRows`` (byte count known, copy planned) that the
+caller copies once, into its own buffer (the worker: its shared-memory reply
+file, ``session/shm.py``).
 """
 
 import collections
@@ -24,9 +27,10 @@ import torch
 
 from vllm_capture.session.config import StreamConfig
 from vllm_capture.session.wire import (
+    WIRE_RAW_DTYPES,
     WIRE_TORCH_DTYPES,
+    encode_capture_layer,
     match_capture_request_id,
-    serialize_capture_layer,
 )
 
 logger = logging.getLogger("vllm_capture")
@@ -91,6 +95,71 @@ class _Chunk:
     def live_requests(self) -> list[int]:
         """Request indices with live rows here, in storage order."""
         return self.reqs[self.live].tolist()
+
+
+class FetchedRows:
+    """One layer's fetched rows in wire order, planned but not yet copied.
+
+    ``StreamStore.serialize(raw_data=True)`` hands these out so that whoever
+    ships the rows copies them exactly once, into a buffer of its own
+    (``session/shm.py`` gathers them straight into the reply's shared-memory
+    file): ``nbytes`` is known before any row moves, and ``copy_into`` is
+    the gather. ``tobytes`` and ``tensor`` use the same gather.
+
+    The plan stays valid after the store's lock is released, and after
+    ``clear_selected`` removed the rows: it holds the source chunks' tensors
+    (not the chunks), and chunk storage is never written once its chunk
+    exists (compaction builds a new tensor).
+    """
+
+    __slots__ = ("dtype", "shape", "nbytes", "_pieces")
+
+    def __init__(self, dtype: torch.dtype, rows: int, pieces: list[tuple]):
+        width = pieces[0][0].shape[1]
+        self.dtype = dtype  # promoted over the sources' dtypes
+        self.shape = (rows, width)
+        self.nbytes = rows * width * dtype.itemsize
+        # (source tensor, its numpy view, source rows, destination rows); rows are slices or
+        # int64 index arrays, and sources of another dtype come with slices only.
+        self._pieces = pieces
+
+    def copy_into(self, out) -> None:
+        """Copy the rows into ``out``, a writable buffer of exactly ``nbytes``
+        bytes, in the wire layout (C-order rows of the wire's raw dtype)."""
+        dst = np.frombuffer(out, dtype=WIRE_RAW_DTYPES[self.dtype])
+        if dst.nbytes != self.nbytes or not dst.flags.writeable:
+            kind = "a" if dst.flags.writeable else "a read-only"
+            raise ValueError(f"copy_into needs a writable {self.nbytes}-byte buffer, "
+                             f"got {kind} {dst.nbytes}-byte one")
+        dst = dst.reshape(self.shape)
+        dst_t = None  # torch view of dst, made on first use
+        for source, raw, src, to in self._pieces:
+            if not isinstance(to, slice) or (
+                source.dtype == self.dtype and (to.stop - to.start) * raw[:1].nbytes < _LARGE_COPY
+            ):
+                dst[to] = raw[src]  # numpy: see _raw
+                continue
+            # torch casts (promotion) and copies large blocks (see _take).
+            if dst_t is None:
+                dst_t = torch.from_numpy(dst)
+                if self.dtype == torch.bfloat16:
+                    dst_t = dst_t.view(torch.bfloat16)
+            dst_t[to].copy_(source[src])
+
+    def tensor(self) -> torch.Tensor:
+        """The rows as one tensor: the source chunk's own when they are one whole
+        chunk (do not write to it), else a fresh copy."""
+        source, _, src, to = self._pieces[0]
+        if (len(self._pieces) == 1 and source.dtype == self.dtype and isinstance(to, slice)
+                and isinstance(src, slice) and src.stop - src.start == source.shape[0]):
+            return source
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.copy_into(_raw(out))
+        return out
+
+    def tobytes(self) -> bytes:
+        """The rows in the wire layout, as bytes (the RPC reply's ``data``)."""
+        return _raw(self.tensor()).astype(WIRE_RAW_DTYPES[self.dtype], copy=False).tobytes()
 
 
 class StreamStore:
@@ -589,8 +658,8 @@ class StreamStore:
         spans = self._scan_spans(layer_id, wanted)
         return spans if spans.req.size else None
 
-    def _gather(self, layer_id: int, spans: _Spans) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the spans' rows and labels out in wire order.
+    def _gather(self, layer_id: int, spans: _Spans) -> tuple[FetchedRows, np.ndarray]:
+        """Plan the copy of the spans' rows in wire order, and copy their labels.
 
         Wire order: requests by registration, each request's rows in append
         (chunk id) order.
@@ -599,7 +668,9 @@ class StreamStore:
         total = int(spans.length.sum())
         first = layer[int(spans.chunk[0])]
         if first.rows == total and (spans.chunk == spans.chunk[0]).all():
-            return first.tensor, torch.from_numpy(first.meta)  # whole chunk, in wire order
+            whole = slice(0, total)  # the whole chunk, in wire order
+            pieces = [(first.tensor, first.raw, whole, whole)]
+            return FetchedRows(first.tensor.dtype, total, pieces), first.meta
         order = np.lexsort((spans.chunk, self._rank[spans.req]))
         dtypes = self._layer_dtypes[layer_id]
         if len(dtypes) > 1:  # only what these chunks hold
@@ -614,27 +685,30 @@ class StreamStore:
         ):
             # Many small spans per chunk (decode steps): a Python step per
             # span would dominate, so scatter each chunk's rows at once.
-            return self._scatter(layer, spans, order, total, dtype)
-        # Few or long spans: concatenate their row ranges in wire order.
-        ends = spans.start + spans.length
-        pieces = list(
-            zip(spans.chunk[order].tolist(), spans.start[order].tolist(), ends[order].tolist())
-        )
-        meta = np.concatenate([layer[c].meta[s:e] for c, s, e in pieces])
-        if len(dtypes) > 1:
-            rows = torch.cat([layer[c].tensor[s:e].to(dtype) for c, s, e in pieces])
-        elif total * first.raw[:1].nbytes >= _LARGE_COPY:
-            rows = torch.cat([layer[c].tensor[s:e] for c, s, e in pieces])
+            pieces = self._scatter(layer, spans, order, total)
         else:
-            rows = torch.empty((total, first.tensor.shape[1]), dtype=dtype)
-            np.concatenate([layer[c].raw[s:e] for c, s, e in pieces], out=_raw(rows))
-        return rows, torch.from_numpy(meta)
+            # Few or long spans: their row ranges, one after another in wire order.
+            starts, lens = spans.start[order], spans.length[order]
+            dst = np.cumsum(lens) - lens
+            pieces = [
+                (layer[c], slice(s, s + n), slice(d, d + n))
+                for c, s, n, d in zip(
+                    spans.chunk[order].tolist(), starts.tolist(), lens.tolist(), dst.tolist()
+                )
+            ]
+        meta = np.empty((total, 3), dtype=np.int32)
+        for chunk, src, to in pieces:
+            meta[to] = chunk.meta[src]
+        # The rows' plan names the chunks' current tensors: compaction may replace them later.
+        rows = [(chunk.tensor, chunk.raw, src, to) for chunk, src, to in pieces]
+        return FetchedRows(dtype, total, rows), meta
 
     @staticmethod
     def _scatter(
-        layer: dict[int, _Chunk], spans: _Spans, order: np.ndarray, total: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Many small spans per chunk: one row scatter per chunk.
+        layer: dict[int, _Chunk], spans: _Spans, order: np.ndarray, total: int
+    ) -> list[tuple[_Chunk, np.ndarray | slice, np.ndarray]]:
+        """Many small spans per chunk: one row scatter per chunk, as
+        ``(chunk, source rows, destination rows)``.
 
         Within a chunk, spans ascend in both source and destination rows: the
         chunk stores its requests in registration order.
@@ -651,20 +725,14 @@ class StreamStore:
         src_rows, dst_rows = starts[span_of] + within, dst[span_of] + within
         edges = _run_starts(chunk_ids)
         row_edges = first_row[edges].tolist() + [total]
-        out = torch.empty((total, layer[int(chunk_ids[0])].tensor.shape[1]), dtype=dtype)
-        out_rows, out_meta = _raw(out), np.empty((total, 3), dtype=np.int32)
+        pieces = []
         for g, chunk_id in enumerate(chunk_ids[edges].tolist()):
             chunk = layer[chunk_id]
             r0, r1 = row_edges[g], row_edges[g + 1]
-            src, to = src_rows[r0:r1], dst_rows[r0:r1]
-            n = r1 - r0
-            if n == chunk.rows:  # the whole chunk, in order
-                rows, meta = chunk.raw, chunk.meta
-            else:
-                rows, meta = chunk.raw[src], chunk.meta[src]
-            out_rows[to] = rows
-            out_meta[to] = meta
-        return out, torch.from_numpy(out_meta)
+            # The whole chunk (in order) or some of its rows.
+            src = slice(0, chunk.rows) if r1 - r0 == chunk.rows else src_rows[r0:r1]
+            pieces.append((chunk, src, dst_rows[r0:r1]))
+        return pieces
 
     def _kill(self, layer_id: int, spans: _Spans) -> None:
         """Remove the spans' rows: free emptied chunks, compact sparse ones.
@@ -742,8 +810,11 @@ class StreamStore:
         clear_selected: bool = False,
         raw_data: bool = False,
     ) -> dict[int, dict[str, Any]]:
-        """Pack the selected rows as ``{layer_id: wire dict}`` (``raw_data``: see
-        ``serialize_capture_layer``).
+        """Pack the selected rows as ``{layer_id: wire dict}``.
+
+        With ``raw_data`` each ``"data"`` is a ``FetchedRows`` instead of bytes:
+        the rows are not copied here, and the caller copies them once, into its
+        own buffer (``FetchedRows.copy_into``), before the dict goes on the wire.
 
         ``layers`` serializes a subset so clients can fetch layer by layer;
         ``req_ids`` (client-visible ids, or full engine ids) restricts the
@@ -773,11 +844,14 @@ class StreamStore:
                 spans = self._layer_spans(layer_id, selected)
                 if spans is None:
                     continue
-                result[layer_id] = serialize_capture_layer(
-                    *self._gather(layer_id, spans),
+                rows, meta = self._gather(layer_id, spans)
+                result[layer_id] = encode_capture_layer(
+                    rows.dtype,
+                    rows.shape,
+                    rows if raw_data else rows.tobytes(),
+                    meta,
                     self.req_table,
                     self.layer_names[layer_id],
-                    raw_data=raw_data,
                 )
                 emitted.append((layer_id, spans))
             if clear_selected:

@@ -27,8 +27,8 @@ _WIRE_DTYPES: dict[str, torch.dtype] = {
 _WIRE_NAMES = {dtype: name for name, dtype in _WIRE_DTYPES.items()}
 # The storage dtypes the wire can carry; config and store refuse others early.
 WIRE_TORCH_DTYPES = frozenset(_WIRE_NAMES)
-# Explicit little-endian so the bytes mean the same on every host.
-_RAW_DTYPES = {
+# How each dtype's rows ride: explicit little-endian so the bytes mean the same on every host.
+WIRE_RAW_DTYPES = {
     torch.float32: np.dtype("<f4"),
     torch.float16: np.dtype("<f2"),
     torch.bfloat16: np.dtype("<i2"),
@@ -93,13 +93,8 @@ def serialize_capture_layer(
     meta: torch.Tensor,
     req_table: Mapping[int, str] | list[str],
     layer_name: str,
-    raw_data: bool = False,
 ) -> dict[str, Any]:
     """Pack one layer's rows and labels into the wire dict.
-
-    With ``raw_data`` the ``"data"`` entry is the rows' contiguous numpy array instead of bytes,
-    for a caller that writes it somewhere itself (``session/shm.py``) and saves a copy; it must
-    become bytes before the dict goes on the wire.
 
     ``meta`` is int32 ``[rows, 3]`` (req_idx, position, token_id) where
     req_idx indexes ``req_table``. The emitted table holds only the requests
@@ -125,15 +120,29 @@ def serialize_capture_layer(
     host = tensor.detach().cpu().contiguous()
     if host.dtype == torch.bfloat16:
         host = host.view(torch.int16)
-    data = np.ascontiguousarray(host.numpy().astype(_RAW_DTYPES[tensor.dtype], copy=False))
-    if not raw_data:
-        data = data.tobytes()
-    labels = meta.detach().cpu().numpy()
+    data = host.numpy().astype(WIRE_RAW_DTYPES[tensor.dtype], copy=False).tobytes()
+    return encode_capture_layer(
+        tensor.dtype, (rows, width), data, meta.detach().cpu().numpy(), req_table, layer_name
+    )
+
+
+def encode_capture_layer(
+    dtype: torch.dtype,
+    shape: tuple[int, int],
+    data: Any,
+    labels: np.ndarray,
+    req_table: Mapping[int, str] | list[str],
+    layer_name: str,
+) -> dict[str, Any]:
+    """The wire dict of one layer whose rows are already encoded: ``data`` holds the
+    ``shape`` rows of ``dtype`` in the raw layout of ``WIRE_RAW_DTYPES`` (bytes, or an object
+    the caller turns into bytes before sending: ``StreamStore.serialize(raw_data=True)``),
+    ``labels`` their int32 ``[rows, 3]`` labels (see :func:`serialize_capture_layer`)."""
     table, req_idx = _compact_requests(labels[:, 0], req_table)
     return {
         "encoding": "raw",
-        "dtype": _WIRE_NAMES[tensor.dtype],
-        "shape": [int(rows), int(width)],
+        "dtype": _WIRE_NAMES[dtype],
+        "shape": [int(shape[0]), int(shape[1])],
         "data": data,
         "layer_name": str(layer_name),
         "meta": {
@@ -175,6 +184,10 @@ def deserialize_captured(
     Returns ``(tensors, meta)`` keyed by int layer id (msgpack may have turned
     the keys into decimal strings); ``meta[layer]`` labels each row of
     ``tensors[layer]`` with (request id, absolute position, token id).
+    Rows in a read-only buffer (bytes, as msgpack decodes them) are copied
+    out; rows in a writable buffer are not: the tensor views that buffer
+    (``shm.read_reply`` hands over a private, copy-on-write mapping of the
+    reply's shared-memory file this way).
     Incomplete or older unlabeled payloads raise ``ValueError`` instead of
     silently losing sample alignment. Keys other than the wire keys (such as
     the session's ``layout``) are left to the caller.
@@ -243,7 +256,7 @@ def _decode_layer(layer_id: int, info: Any) -> tuple[torch.Tensor, CaptureMeta]:
         raise ValueError(
             f"capture layer {layer_id} data must be bytes, got {type(data).__name__}"
         )
-    raw = _RAW_DTYPES[dtype]
+    raw = WIRE_RAW_DTYPES[dtype]
     if len(data) != rows * width * raw.itemsize:
         raise ValueError(
             f"capture layer {layer_id} carries {len(data)} data bytes; shape "
@@ -252,7 +265,10 @@ def _decode_layer(layer_id: int, info: Any) -> tuple[torch.Tensor, CaptureMeta]:
     if not isinstance(info.get("layer_name"), str):
         raise ValueError(f"capture layer {layer_id} is missing its layer_name")
     labels = _decode_labels(layer_id, info.get("meta"), rows)
-    tensor = torch.from_numpy(np.frombuffer(data, dtype=raw).reshape(rows, width).copy())
+    array = np.frombuffer(data, dtype=raw).reshape(rows, width)
+    if not (array.flags.writeable and array.flags.aligned):
+        array = array.copy()  # bytes (msgpack's): the tensor gets memory of its own
+    tensor = torch.from_numpy(array)
     if dtype == torch.bfloat16:
         tensor = tensor.view(torch.bfloat16)
     return tensor, labels
