@@ -1313,18 +1313,21 @@ def test_int64_input_ids_and_ring_wraps():
     ref = RefStream(HS, 8)
     engine.refs = [ref]
     engine.session.enable_stream(HS)
-    drains, wraps = [], []
-    drain, wrap = engine.state.drain, engine.state._wrap
+    drains, waits = [], []
+    drain, wait = engine.state.drain, engine.state._wait_for_copies
     engine.state.drain = lambda component: drains.append(
         engine.state.streams[component].pending_steps) or drain(component)
-    engine.state._wrap = lambda buf: wraps.append(buf.offset) or wrap(buf)
+    engine.state._wait_for_copies = lambda buf, start, end: waits.append(
+        [(first, stop) for first, stop, _ in buf.copies if first < end and start < stop]) or wait(
+        buf, start, end)
     a = Req(num=0, prompt=[4, 3, 2, 1], gen=[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0])
     engine.step([(a, 2)], pad=1)
     while not a.done:
         engine.step([(a, min(2, a.known - a.computed))], pad=1)
     check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([a.rid]))
-    # 2 + 2 + 1 * 12 rows into a 9-row ring, drained at 5 rows (half of it) or before a wrap.
-    assert wraps and max(drains) >= 2
+    # 2 + 2 + 1 * 12 rows into a 9-row ring, drained at 5 rows (half of it) or before a wrap;
+    # steps back at the ring's start wait for the drains that read the rows they overwrite.
+    assert max(drains) >= 2 and any(waits)
 
 
 def test_a_finished_request_keeps_its_index_until_its_rows_leave_the_ring():

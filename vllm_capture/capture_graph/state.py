@@ -76,8 +76,8 @@ class StreamPlanBuffers:
     mode: int = L.MODE_OFF
     count: int = 0
     # Ring rows: the next step writes from ``offset``; ``[pending_start, offset)`` holds rows of
-    # earlier steps not drained yet; ``copies`` are the drains still in flight, which the ring's
-    # rows may only be overwritten after (the wrap back to row 0 waits for them).
+    # earlier steps not drained yet; ``copies`` are the drains still in flight as (first row,
+    # end row, event): a step that writes over their rows waits for them first.
     offset: int = 0
     pending_start: int = 0
     pending_steps: int = 0
@@ -251,19 +251,25 @@ class CaptureGraphState:
         if buf.offset + n > self.ring_rows:
             if buf.pending_rows:
                 raise RuntimeError(f"{component}: drain the ring before it wraps")
-            self._wrap(buf)
+            buf.offset = buf.pending_start = 0
+        self._wait_for_copies(buf, buf.offset, buf.offset + n)
         self._write(buf, L.MODE_ROWS, n, (rows, req_index, positions), offset=buf.offset)
         buf.offset += n
         buf.pending_steps += 1
 
-    def _wrap(self, buf: StreamPlanBuffers) -> None:
-        """Start again at ring row 0, after every copy still reading the ring."""
-        if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device)
-            for event in buf.copies:
-                stream.wait_event(event)
-        buf.copies.clear()
-        buf.offset = buf.pending_start = 0
+    def _wait_for_copies(self, buf: StreamPlanBuffers, start: int, end: int) -> None:
+        """Order this step's writes to ring rows ``[start, end)`` after the drains reading them
+        (a wait on the device; the host goes on). Only the last step's drain is usually still
+        running, so a step that wraps does not wait for it unless it overwrites its rows."""
+        still = []
+        for copy in buf.copies:
+            first, stop, event = copy
+            if first < end and start < stop:
+                if event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(event)
+            else:
+                still.append(copy)
+        buf.copies = still
 
     def upload_segments(self, component: str, mode: int, row_start: np.ndarray,
                         row_count: np.ndarray, slots: np.ndarray, req_index: np.ndarray) -> None:
@@ -352,7 +358,7 @@ class CaptureGraphState:
             if cuda:
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
-                buf.copies.append(event)
+        buf.copies.append((start, start + n, event))
         return DrainedRows(component, n, layers, names, event)
 
     # ---- reductions ------------------------------------------------------------------------------
