@@ -17,6 +17,7 @@ See benchmarks/README.md for what each figure means.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -429,6 +430,15 @@ def prepare_model(shape: S.ModelShape, work: Path) -> Path:
     return folder
 
 
+def code_sha256() -> str:
+    """A digest of the package's source as it ran: the device's copy of the working tree may
+    carry git metadata older than its files, so the commit alone does not name the code."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "vllm_capture").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def environment(argv: list[str], probe: dict, nvml: Nvml) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -436,7 +446,7 @@ def environment(argv: list[str], probe: dict, nvml: Nvml) -> dict:
     except Exception:
         commit = None
     return {"command": " ".join(shlex.quote(a) for a in ["python3", *argv]),
-            "python": sys.version.split()[0], "commit": commit,
+            "python": sys.version.split()[0], "commit": commit, "code_sha256": code_sha256(),
             "versions": probe.get("versions", {}), "cpu_count": os.cpu_count(), **nvml.device()}
 
 
