@@ -8,7 +8,10 @@ the reference every shared-memory result must equal bit for bit.
 from __future__ import annotations
 
 import errno
+import gc
 import os
+import shutil
+import tempfile
 import warnings
 from types import SimpleNamespace
 
@@ -31,6 +34,17 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.fixture(autouse=True)
 def _quiet_unbounded_warning(monkeypatch):
     monkeypatch.setattr(config_module, "_warned_unbounded", True)
+
+
+@pytest.fixture(autouse=True)
+def shm_dir(monkeypatch):
+    """A private directory in /dev/shm for each test, so its pool is its own."""
+    path = tempfile.mkdtemp(prefix="vllm-capture-test-", dir="/dev/shm")
+    monkeypatch.setattr(shm, "SHM_DIR", path)
+    monkeypatch.setattr(shm, "_pooled", set())
+    yield path
+    gc.collect()  # release mappings before the directory goes
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _store(layers=(0, 1, 2), width=6, dtype=torch.bfloat16, requests=3, steps=(5, 1, 1, 1),
@@ -82,7 +96,15 @@ def _assert_same(got, want):
 
 
 def _shm_files() -> set[str]:
-    return {f for f in os.listdir(shm.SHM_DIR) if f.startswith(shm.PREFIX + "rows-")}
+    return {f for f in os.listdir(shm.SHM_DIR) if f.startswith(shm.ROWS)}
+
+
+def _pool() -> list[str]:
+    return sorted(f for f in os.listdir(shm.SHM_DIR) if f.startswith(shm.FREE))
+
+
+def _inode(path: str) -> int:
+    return os.stat(path).st_ino
 
 
 @pytest.mark.parametrize("large_copy", [None, 0], ids=["numpy-copies", "torch-copies"])
@@ -92,11 +114,13 @@ def _shm_files() -> set[str]:
 def test_shared_memory_round_trip_equals_the_bytes_path(monkeypatch, dtype, steps, large_copy):
     if large_copy is not None:
         monkeypatch.setattr(store_module, "_LARGE_COPY", large_copy)
-    before = _shm_files()
     got, want = _via_both(lambda: _store(dtype=dtype, steps=steps, requests=10))
     _assert_same(got, want)
     assert len(want[0]) == 3 and all(t.dtype == dtype for t in got[0].values())
-    assert _shm_files() == before
+    assert len(_shm_files()) == 1  # held by the tensors
+    del got
+    gc.collect()
+    assert not _shm_files() and len(_pool()) == 1
 
 
 def test_request_subsets_with_clear_selected_match_the_bytes_path():
@@ -160,12 +184,11 @@ def test_layers_of_odd_sizes_are_aligned_in_the_file():
     _assert_same(got, want)
 
 
-def test_returned_tensors_are_writable_views_independent_of_the_deleted_file():
+def test_returned_tensors_are_writable_views_independent_of_the_file():
     reply = shm.write_reply(_reply(_store(dtype=torch.float32)))
     path = reply["shm_path"]
-    with open(path, "rb") as f:  # kept open to look at the file after it is deleted
+    with open(path, "rb") as f:
         shm.read_replies([reply])
-        assert not os.path.exists(path)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. torch's "non-writable array" warning
             tensors, _ = deserialize_captured(reply["layers"])
@@ -179,9 +202,13 @@ def test_returned_tensors_are_writable_views_independent_of_the_deleted_file():
     # Not copied: the tensors are the mapping read_reply handed to the decoder.
     assert (np.frombuffer(reply["layers"]["0"]["data"], dtype=np.float32) == -1.0).all()
     assert not torch.equal(original, tensors[0])
-    # The tensors outlive the reply and the file.
+    # The tensors outlive the reply; the file waits for the last of them, then joins the pool.
     del reply
-    assert tensors[1].sum().item() == -tensors[1].numel()
+    gc.collect()
+    assert tensors[1].sum().item() == -tensors[1].numel() and os.path.exists(path)
+    del tensors, original, t
+    gc.collect()
+    assert not os.path.exists(path) and len(_pool()) == 1
 
 
 def test_bytes_path_tensors_own_their_memory():
@@ -271,7 +298,10 @@ def test_a_reply_naming_a_foreign_file_or_a_bad_span_is_refused():
     assert all(os.path.exists(p) for p in paths)
     with pytest.raises(ValueError, match="layer 2: shared-memory span"):
         shm.read_replies([reply, other])
-    # Both files are gone although the first reply was bad.
+    # Both files are released, once the replies holding their views go, although the first
+    # reply was bad.
+    del reply, other
+    gc.collect()
     assert not any(os.path.exists(p) for p in paths)
 
 
@@ -284,4 +314,100 @@ def test_replies_survive_msgpack_like_the_rpc(shared):
     sent = msgspec.msgpack.decode(msgspec.msgpack.encode(reply))
     assert ("shm_path" in sent) is shared
     got = deserialize_captured(shm.read_replies([sent])[0]["layers"])
+    _assert_same(got, want)
+
+
+# ---- the pool of files ----------------------------------------------------------------------------
+
+
+def _fetch(store):
+    """A shared-memory fetch decoded, and the file it came in."""
+    reply = shm.write_reply(_reply(store))
+    path = reply["shm_path"]
+    return deserialize_captured(shm.read_replies([reply])[0]["layers"]), path
+
+
+def test_a_released_file_carries_the_next_fetch():
+    first, path = _fetch(_store(seed=1))
+    inode = _inode(path)
+    del first
+    gc.collect()
+    [pooled] = _pool()
+    assert _inode(os.path.join(shm.SHM_DIR, pooled)) == inode
+    want = deserialize_captured(shm.write_reply(_reply(_store(seed=2)), shared=False)["layers"])
+    got, path = _fetch(_store(seed=2))
+    assert _inode(path) == inode and not _pool()  # claimed: no new file, no new pages
+    _assert_same(got, want)
+
+
+def test_a_file_is_never_reused_while_its_tensors_live():
+    first, first_path = _fetch(_store(seed=1))
+    kept = {layer: t.clone() for layer, t in first[0].items()}
+    second, second_path = _fetch(_store(seed=2))
+    assert _inode(first_path) != _inode(second_path)
+    del second
+    gc.collect()
+    third, third_path = _fetch(_store(seed=3))  # takes the second's file, not the first's
+    assert third_path != first_path and os.path.exists(first_path)
+    for layer, t in first[0].items():
+        assert t.view(torch.uint8).equal(kept[layer].view(torch.uint8))
+
+
+def test_the_pool_keeps_at_most_pool_files_and_pool_bytes(monkeypatch):
+    monkeypatch.setattr(shm, "POOL_FILES", 1)
+    held = [_fetch(_store(seed=seed)) for seed in range(3)]
+    paths = [path for _, path in held]
+    del held
+    gc.collect()
+    assert len(_pool()) == 1 and not any(os.path.exists(p) for p in paths)
+    monkeypatch.setattr(shm, "POOL_FILES", 4)
+    monkeypatch.setattr(shm, "POOL_BYTES", 1)
+    got, path = _fetch(_store())  # takes the pooled file
+    assert not _pool()
+    del got
+    gc.collect()
+    assert not _pool() and not os.path.exists(path)  # over the byte cap: deleted
+
+
+def test_a_small_fetch_does_not_hold_a_much_larger_pooled_file(monkeypatch):
+    monkeypatch.setattr(shm, "POOL_SLACK", 1)
+    monkeypatch.setattr(shm, "POOL_SLACK_BYTES", 0)
+    big, _ = _fetch(_store(width=4096, steps=(64,)))
+    del big
+    gc.collect()
+    [pooled] = _pool()
+    small, path = _fetch(_store(width=4, steps=(1,)))
+    assert _pool() == [pooled] and os.path.getsize(path) < os.path.getsize(
+        os.path.join(shm.SHM_DIR, pooled))
+
+
+def test_at_exit_pooled_files_and_later_releases_are_deleted(monkeypatch):
+    monkeypatch.setattr(shm, "_exiting", False)
+    pooled, _ = _fetch(_store(seed=1))
+    held, held_path = _fetch(_store(seed=2))
+    del pooled
+    gc.collect()
+    assert len(_pool()) == 1
+    shm._at_exit()
+    assert not _pool()
+    del held
+    gc.collect()
+    assert not _pool() and not os.path.exists(held_path)
+
+
+def test_a_pooled_file_another_worker_took_is_skipped(monkeypatch):
+    got, _ = _fetch(_store(seed=1))
+    del got
+    gc.collect()
+    [pooled] = _pool()
+    real_rename = os.rename
+
+    def raced(src, dst):
+        if os.path.basename(src) == pooled:
+            os.unlink(src)  # another worker renamed it first
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(shm.os, "rename", raced)
+    want = deserialize_captured(shm.write_reply(_reply(_store(seed=2)), shared=False)["layers"])
+    got, path = _fetch(_store(seed=2))  # a new file instead
     _assert_same(got, want)

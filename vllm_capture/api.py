@@ -76,8 +76,9 @@ def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
     Workers on this host hand the rows over through ``/dev/shm`` (``session/shm.py``); others
     send them in the RPC reply. Rows that came through ``/dev/shm`` are not copied (unless
     attention-head shards are joined): the tensors (writable) view a private mapping of the
-    deleted reply file, whose memory stays in use until every tensor of this fetch, and every
-    view of one, is freed; ``.clone()`` what you keep of a large fetch.
+    reply file, whose memory stays in use until every tensor of this fetch, and every view of
+    one, is freed (then the file is reused by a later fetch); ``.clone()`` what you keep of a
+    large fetch.
     """
     replies = _rpc(llm, "fetch_captured", stream, clear, layers, req_ids, shm.client_probe())
     return join_shards(stream, shm.read_replies(replies))

@@ -11,17 +11,25 @@ One copy end to end: the worker sizes the file from the byte counts the store co
 copying (``FetchedRows.nbytes``), reserves its pages (``posix_fallocate``: a full tmpfs fails
 there, not with a SIGBUS mid-copy), maps it and gathers every layer's rows straight from the
 store's chunks into the mapping (``FetchedRows.copy_into``). The client maps the file privately
-(``MAP_PRIVATE``, read and write: copy-on-write), deletes it at once, and decodes each layer as a
-view of that mapping, without copying.
+(``MAP_PRIVATE``, read and write: copy-on-write) and decodes each layer as a view of that mapping,
+without copying.
 
-So tensors decoded from such a reply view a private mapping of a deleted ``/dev/shm`` file: the
-file's memory (shared memory, counted against ``/dev/shm``'s size, never swapped without swap)
-stays until the last tensor of that fetch (any layer, any view of one) is freed. Writing to a
-tensor is allowed and private: it copies the pages written to. A caller that keeps a small part
-of a large fetch should copy that part (``.clone()``) and drop the rest.
+So tensors decoded from such a reply view a private mapping of a ``/dev/shm`` file: the file's
+memory (shared memory, counted against ``/dev/shm``'s size, never swapped without swap) stays until
+the last tensor of that fetch (any layer, any view of one) is freed. Writing to a tensor is allowed
+and private: it copies the pages written to. A caller that keeps a small part of a large fetch
+should copy that part (``.clone()``) and drop the rest.
 
-A client killed between the reply and its read leaves that file behind
-(``/dev/shm/vllm-capture-rows-*``; safe to delete when no capture client runs).
+Files are reused. Fresh tmpfs pages are the fetch's cost: the kernel allocates and zeroes them at
+about 1 GB/s on the H200 host, where the gather itself runs at several GB/s. So when the last
+tensor of a fetch is freed, the client renames its file to ``vllm-capture-free-*`` (a pool of at
+most ``POOL_FILES`` files and ``POOL_BYTES``), and a worker's next reply that fits in one claims it
+by renaming it back (atomic, so two workers never share one) and writes into pages that already
+exist. The client deletes the files it pooled when it exits, and any file whose pool is full.
+
+A client killed while holding fetched rows, or with files pooled, leaves them behind
+(``/dev/shm/vllm-capture-rows-*``, ``vllm-capture-free-*``; safe to delete when no capture
+client runs).
 
 Payload contract: a layer entry's ``"data"`` is replaced by ``"shm_offset"`` and ``"shm_nbytes"``
 (ints) and the reply gains ``"shm_path"`` (str); :func:`read_reply` puts a writable view of the
@@ -36,6 +44,7 @@ import mmap
 import os
 import secrets
 import tempfile
+import weakref
 from typing import Any
 
 SHM_DIR = "/dev/shm"
@@ -45,8 +54,19 @@ FREE_SPACE_FACTOR = 2
 # Layer offsets in a reply's file are multiples of this (bytes).
 ALIGN = 64
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
+ROWS, FREE = PREFIX + "rows-", PREFIX + "free-"
+# The pool of files whose pages are kept for the next fetch: at most this many files and bytes
+# (and a quarter of /dev/shm).
+POOL_FILES = 2
+POOL_BYTES = 4 << 30
+# A pooled file serves a reply of at most POOL_SLACK times fewer bytes (plus POOL_SLACK_BYTES),
+# so a small fetch does not hold a large file out of the pool.
+POOL_SLACK = 4
+POOL_SLACK_BYTES = 64 << 20
 
 _probe: dict[str, str] | None = None
+_pooled: set[str] = set()  # files this client put in the pool, deleted at exit
+_exiting = False
 
 
 def client_probe() -> dict[str, str] | None:
@@ -110,19 +130,27 @@ def write_reply(reply: dict[str, Any], shared: bool = True) -> dict[str, Any]:
 
 
 def _write_file(blocks: list, offsets: list[int], total: int) -> str | None:
-    """A new file of ``total`` bytes with each block's rows copied in at its offset, through one
-    mapping; None (and no file) when there is not room for it."""
-    try:
-        st = os.statvfs(SHM_DIR)
-        if st.f_bavail * st.f_frsize < FREE_SPACE_FACTOR * total:
+    """A file of at least ``total`` bytes (a pooled one, else a new one) with each block's rows
+    copied in at its offset, through one mapping; None (and no file) when there is not room."""
+    path = _claim_pooled(total)
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            path = None
+    if path is None:
+        try:
+            st = os.statvfs(SHM_DIR)
+            if st.f_bavail * st.f_frsize < FREE_SPACE_FACTOR * total:
+                return None
+            fd, path = tempfile.mkstemp(prefix=ROWS, dir=SHM_DIR)
+        except OSError:
             return None
-        fd, path = tempfile.mkstemp(prefix=PREFIX + "rows-", dir=SHM_DIR)
-    except OSError:
-        return None
     try:
         try:
-            # Reserve the pages first: through a mapping, a full tmpfs is a SIGBUS, not an error.
-            # Populating the mapping up front beats a page fault per page during the copy.
+            # Reserve the pages first: through a mapping, a full tmpfs is a SIGBUS, not an error
+            # (a no-op for a pooled file's pages). Populating the mapping up front beats a page
+            # fault per page during the copy.
             os.posix_fallocate(fd, 0, total)
             mapped = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -146,29 +174,90 @@ def _write_file(blocks: list, offsets: list[int], total: int) -> str | None:
     return path
 
 
+def _claim_pooled(total: int) -> str | None:
+    """Take the smallest pooled file that holds ``total`` bytes (renamed to a rows file), or None."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(FREE)]
+    except OSError:
+        return None
+    fitting = []
+    for name in names:
+        try:
+            size = os.stat(os.path.join(SHM_DIR, name)).st_size
+        except OSError:
+            continue
+        if total <= size <= POOL_SLACK * total + POOL_SLACK_BYTES:
+            fitting.append((size, name))
+    for _, name in sorted(fitting):
+        claimed = os.path.join(SHM_DIR, ROWS + secrets.token_hex(8))
+        try:
+            os.rename(os.path.join(SHM_DIR, name), claimed)
+        except OSError:
+            continue  # another worker took it
+        return claimed
+    return None
+
+
+def _release(path: str, size: int) -> None:
+    """The last tensor of a fetch is gone: pool its file if the pool has room, else delete it."""
+    if _exiting:
+        _remove(path)
+        return
+    try:
+        pooled = [os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(FREE)]
+        held = sum(os.stat(p).st_size for p in pooled)
+        st = os.statvfs(SHM_DIR)
+        if (len(pooled) < POOL_FILES and held + size <= min(POOL_BYTES, st.f_blocks * st.f_frsize // 4)):
+            free = os.path.join(SHM_DIR, FREE + secrets.token_hex(8))
+            os.rename(path, free)
+            _pooled.add(free)
+            return
+    except OSError:
+        pass
+    _remove(path)
+
+
+def _at_exit() -> None:
+    """Delete the files this client pooled; files released after this are deleted, not pooled
+    (``weakref.finalize`` runs its exit hook before or after this one, by registration order)."""
+    global _exiting
+    _exiting = True
+    for path in _pooled:
+        _remove(path)
+
+
+atexit.register(_at_exit)
+
+
 def read_reply(reply: dict[str, Any]) -> dict[str, Any]:
-    """Put the rows of a shared-memory reply back into its layer entries and delete the file.
+    """Put the rows of a shared-memory reply back into its layer entries.
 
     The entries' ``"data"`` are writable views of one private (copy-on-write) mapping of the
-    file, which outlives the file: the decoder's tensors view it, and it is unmapped when the
-    last of them is freed."""
+    file: the decoder's tensors view it, and when the last of them is freed the mapping goes and
+    the file returns to the pool (or is deleted)."""
     path = reply.pop("shm_path", None)
     if path is None:
         return reply
     if not (isinstance(path, str) and os.path.dirname(path) == SHM_DIR
-            and os.path.basename(path).startswith(PREFIX + "rows-")):
+            and os.path.basename(path).startswith(ROWS)):
         raise ValueError(f"capture reply names an unexpected shared-memory file {path!r}")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            # The mapping outlives the unlink below; it goes when the last view is dropped.
             # Private and writable: the tensors viewing it are writable (numpy and torch do not
             # warn), and a write copies the page instead of reaching the file.
-            data = (memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
-                                         prot=mmap.PROT_READ | mmap.PROT_WRITE))
-                    if size else memoryview(bytearray()))
-    finally:
+            mapped = (mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None)
+    except BaseException:
         _remove(path)
+        raise
+    if mapped is None:
+        _remove(path)
+        data = memoryview(bytearray())
+    else:
+        # Runs when the last view of the mapping is freed, or at exit.
+        weakref.finalize(mapped, _release, path, size)
+        data = memoryview(mapped)
     for key, info in (reply.get("layers") or {}).items():
         start, nbytes = info.pop("shm_offset", None), info.pop("shm_nbytes", None)
         if not (isinstance(start, int) and isinstance(nbytes, int)
@@ -180,7 +269,7 @@ def read_reply(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_replies(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """:func:`read_reply` for every rank's reply; every file is deleted even if one is bad."""
+    """:func:`read_reply` for every rank's reply; every file is released even if one is bad."""
     error = None
     for reply in replies:
         try:
