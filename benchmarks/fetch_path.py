@@ -1,11 +1,12 @@
 """The fetch path alone, without an engine: store -> /dev/shm reply -> client tensors.
 
-Fills a StreamStore with decode-like appends (one chunk per layer per step, one row per request),
-then times each stage of a fetch as the worker and the client run it: ``serialize`` (planning the
+Fills a StreamStore with decode-like appends (one chunk per layer per drain of
+``--steps-per-drain`` steps, one row per request per step), then times each stage of a fetch as the worker and the client run it: ``serialize`` (planning the
 gather), ``write_reply`` (the copy into the shared-memory file), ``read_replies`` and
 ``deserialize_captured``. Prints one line per run.
 
     python3 benchmarks/fetch_path.py [--layers 16 --width 2048 --rows 64 --steps 150 --runs 3]
+                                     [--steps-per-drain 1]
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from vllm_capture.session.store import StreamStore
 from vllm_capture.session.wire import deserialize_captured
 
 
-def one_fetch(layers: int, width: int, rows: int, steps: int) -> str:
+def one_fetch(layers: int, width: int, rows: int, steps: int, per_drain: int) -> str:
     store = StreamStore(StreamConfig())
     index = torch.tensor([store.request_index(f"r{i}") for i in range(rows)], dtype=torch.int32)
-    values = torch.randn(rows, width).to(torch.bfloat16)
+    values = torch.randn(rows * per_drain, width).to(torch.bfloat16)
     names = {layer: f"model.layers.{layer}" for layer in range(layers)}
     t0 = time.perf_counter()
-    for step in range(steps):
-        labels = torch.zeros(rows, 3, dtype=torch.int32)
-        labels[:, 0], labels[:, 1] = index, 32 + step
+    for first in range(0, steps, per_drain):
+        labels = torch.zeros(rows * per_drain, 3, dtype=torch.int32)
+        labels[:, 0] = index.repeat(per_drain)  # step after step, as the ring holds them
+        labels[:, 1] = 32 + first + torch.arange(per_drain).repeat_interleave(rows)
         store.append_layers({layer: values for layer in range(layers)}, labels, names)
     append = time.perf_counter() - t0
     stages = {}
@@ -50,7 +52,7 @@ def one_fetch(layers: int, width: int, rows: int, steps: int) -> str:
     checksum = sum(float(t[:, 0].float().sum()) for t in tensors.values())  # touch every layer
     stages["first read"] = time.perf_counter() - t0
     total = sum(stages.values())
-    nbytes = layers * rows * steps * width * 2
+    nbytes = layers * rows * per_drain * -(-steps // per_drain) * width * 2
     parts = " ".join(f"{k} {v:.3f}" for k, v in stages.items())
     return (f"{nbytes / 1e6:.0f} MB append {append:.3f}s {parts} total {total:.3f} = "
             f"{nbytes / total / 1e9:.2f} GB/s (checksum {checksum:.1f})")
@@ -62,10 +64,14 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--rows", type=int, default=64, help="rows per step (requests)")
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps-per-drain", type=int, default=1,
+                   help="steps whose rows reach the store in one append (the engine drains "
+                        "many decode steps at once)")
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
     for _ in range(args.runs):
-        print(one_fetch(args.layers, args.width, args.rows, args.steps), flush=True)
+        print(one_fetch(args.layers, args.width, args.rows, args.steps, args.steps_per_drain),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL]
-#   SET: dense | verify | moe | tp | profile | extract | bench-quick | bench-full | bench-moe   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | fetch | bench-quick | bench-full | bench-moe   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe)
 set -uo pipefail
 SET=${1:-dense}
@@ -78,6 +78,13 @@ PY
     timeout 280 $X -o /tmp/extract/last -l all -s last >"$OUT/extract_last.log" 2>&1; echo "extract last rc=$?"; grep -E "prompts/s" "$OUT/extract_last.log"
     timeout 280 $X -o /tmp/extract/all4 -l 0,5,10,15 -s all >"$OUT/extract_all4.log" 2>&1; echo "extract all4 rc=$?"; grep -E "prompts/s" "$OUT/extract_all4.log"
     python3 -m vllm_capture.cli inspect /tmp/extract/all4 --verify >"$OUT/extract_inspect.log" 2>&1; echo "inspect rc=$?"; head -20 "$OUT/extract_inspect.log"
+    ;;
+  fetch)
+    # The fetch path alone (no engine, no GPU): fresh vs pooled /dev/shm files, a 16-layer
+    # hidden-state shape and a 48-layer router-logit shape drained 82 steps at a time.
+    python3 benchmarks/fetch_path.py --runs 4 2>&1 | grep -v Warn | tee "$OUT/fetch_path.txt"
+    python3 benchmarks/fetch_path.py --layers 48 --width 128 --steps 287 --steps-per-drain 82 --runs 4 \
+      2>&1 | grep -v Warn | tee -a "$OUT/fetch_path.txt"
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph
