@@ -1313,10 +1313,11 @@ def test_int64_input_ids_and_ring_wraps():
     ref = RefStream(HS, 8)
     engine.refs = [ref]
     engine.session.enable_stream(HS)
-    drains, waits = [], []
-    drain, wait = engine.state.drain, engine.state._wait_for_copies
-    engine.state.drain = lambda component: drains.append(
-        engine.state.streams[component].pending_steps) or drain(component)
+    uploads, drains, waits = [], [], []  # steps per drain
+    upload, drain, wait = engine.state.upload_rows, engine.state.drain, engine.state._wait_for_copies
+    engine.state.upload_rows = lambda *args: uploads.append(1) or upload(*args)
+    engine.state.drain = lambda component: drains.append(len(uploads)) or uploads.clear() or drain(
+        component)
     engine.state._wait_for_copies = lambda buf, start, end: waits.append(
         [(first, stop) for first, stop, _ in buf.copies if first < end and start < stop]) or wait(
         buf, start, end)

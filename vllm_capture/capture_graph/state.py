@@ -80,7 +80,6 @@ class StreamPlanBuffers:
     # end row, event): a step that writes over their rows waits for them first.
     offset: int = 0
     pending_start: int = 0
-    pending_steps: int = 0
     copies: list = field(default_factory=list)
 
     @property
@@ -255,7 +254,6 @@ class CaptureGraphState:
         self._wait_for_copies(buf, buf.offset, buf.offset + n)
         self._write(buf, L.MODE_ROWS, n, (rows, req_index, positions), offset=buf.offset)
         buf.offset += n
-        buf.pending_steps += 1
 
     def _wait_for_copies(self, buf: StreamPlanBuffers, start: int, end: int) -> None:
         """Order this step's writes to ring rows ``[start, end)`` after the drains reading them
@@ -328,7 +326,7 @@ class CaptureGraphState:
         """
         buf = self.streams[component]
         start, n = buf.pending_start, buf.pending_rows
-        buf.pending_start, buf.pending_steps = buf.offset, 0
+        buf.pending_start = buf.offset
         groups = [g for g in self.groups.get(component, ()) if g.enabled]
         if n == 0 or not groups:
             return None
