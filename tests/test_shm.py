@@ -42,6 +42,7 @@ def shm_dir(monkeypatch):
     path = tempfile.mkdtemp(prefix="vllm-capture-test-", dir="/dev/shm")
     monkeypatch.setattr(shm, "SHM_DIR", path)
     monkeypatch.setattr(shm, "_pooled", set())
+    monkeypatch.setattr(shm, "_probe", None)  # a probe made earlier lives in the real /dev/shm
     yield path
     gc.collect()  # release mappings before the directory goes
     shutil.rmtree(path, ignore_errors=True)
