@@ -1331,6 +1331,30 @@ def test_int64_input_ids_and_ring_wraps():
     assert max(drains) >= 2 and any(waits)
 
 
+@pytest.mark.parametrize("drain_bytes,steps_per_drain", [(1, 1), (10**12, None)])
+def test_drains_are_due_by_bytes_or_half_the_ring(drain_bytes, steps_per_drain):
+    """Decode steps of 2 rows: drained every step when any byte is due, else when half the
+    ring (2 x 96 rows) is pending, i.e. every 48 steps, and what is left at the fetch."""
+    engine = Engine()
+    engine.state.drain_bytes = drain_bytes
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    uploads, drains = [], []
+    upload, drain = engine.state.upload_rows, engine.state.drain
+    engine.state.upload_rows = lambda *args: uploads.append(1) or upload(*args)
+    engine.state.drain = lambda component: drains.append(len(uploads)) or uploads.clear() or drain(
+        component)
+    reqs = [Req(num=i, prompt=[1], gen=[2] * 60) for i in range(2)]
+    while not all(r.done for r in reqs):
+        engine.step([(r, 1) for r in reqs if not r.done])
+    check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([r.rid for r in reqs]))
+    if steps_per_drain == 1:
+        assert drains == [1] * 61
+    else:
+        assert drains[0] == MAX_ROWS // 2 and sum(drains) == 61
+
+
 def test_a_finished_request_keeps_its_index_until_its_rows_leave_the_ring():
     """Rows still in the device ring when their request finishes: the finish marker waits for the
     drain that carries them, even if the harvest thread stores everything it holds meanwhile."""
