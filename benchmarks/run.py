@@ -294,11 +294,12 @@ class EngineRun:
         t = time.perf_counter()
         for group in S.layer_groups(layers, per_layer, MAX_FETCH_MESSAGE):
             tensors, meta, _ = self.api.fetch_captured(llm, cap.stream, clear=True, layers=group)
-            for x in tensors.values():
-                rows += int(x.shape[0])
-                positions = max(positions, int(x.shape[0]))
-                nbytes += x.numel() * x.element_size()
+            sizes = [(int(x.shape[0]), x.numel() * x.element_size()) for x in tensors.values()]
+            rows += sum(n for n, _ in sizes)
+            positions = max([positions, *(n for n, _ in sizes)])
+            nbytes += sum(b for _, b in sizes)
             peak = max(peak, _proc_status(os.getpid(), "VmRSS") or 0)
+            # Freed before the next fetch: its /dev/shm file can then carry that fetch.
             del tensors, meta
         return {"fetch_s": time.perf_counter() - t, "rows": rows, "positions": positions,
                 "bytes": nbytes, "client_rss_at_fetch": peak or None}
