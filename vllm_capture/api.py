@@ -265,14 +265,10 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
     row labels differ (every layer of a stream must carry the same rows).
     """
     grouped_t, grouped_m, offsets, reference = {}, {}, [0], None
+    client_index = {client: i for i, client in enumerate(request_ids)}
     for layer in sorted(tensors):
         m = meta[layer]
-        owner = np.full(len(m), -1, dtype=np.int64)
-        for i, client in enumerate(request_ids):
-            hit = np.array([match_capture_request_id(r, client) for r in m.req_ids], dtype=bool)
-            if (owner[hit] >= 0).any():
-                raise RuntimeError(f"layer {layer}: rows match more than one request id")
-            owner[hit] = i
+        owner = _owners(m.req_ids, client_index, layer)
         if (owner < 0).any():
             stale = sorted({m.req_ids[j] for j in np.flatnonzero(owner < 0)})[:5]
             raise RuntimeError(f"layer {layer}: rows of requests that are not part of this "
@@ -294,6 +290,23 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
     if reference is None:
         offsets = [0] * (len(request_ids) + 1)
     return grouped_t, grouped_m, offsets
+
+
+def _owners(labels: list[str], client_index: dict[str, int], layer: int) -> np.ndarray:
+    """Index in ``client_index`` of the request each row label belongs to (-1: none).
+
+    A label matches the client id it equals and the one it extends by the engine's ``-{8 hex}``
+    suffix (``match_capture_request_id``), so each distinct label is decided once, by two
+    lookups: rows are many, their distinct labels one per request.
+    """
+    distinct = dict.fromkeys(labels)
+    for label in distinct:
+        hits = [client_index[c] for c in (label, label[:-9]) if c in client_index
+                and match_capture_request_id(label, c)]
+        if len(hits) > 1:
+            raise RuntimeError(f"layer {layer}: rows match more than one request id")
+        distinct[label] = hits[0] if hits else -1
+    return np.fromiter(map(distinct.__getitem__, labels), dtype=np.int64, count=len(labels))
 
 
 def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: int = 1,
