@@ -115,12 +115,8 @@ def write_reply(reply: dict[str, Any], shared: bool = True) -> dict[str, Any]:
     if shared and total:
         path = _write_file([info["data"] for info in layers], offsets, total)
     if path is None:
-        # Gathered into one scratch buffer reused across layers (its pages are faulted in once),
-        # then copied into the reply's bytes.
-        scratch = memoryview(bytearray(max(sizes, default=0)))
-        for info, nbytes in zip(layers, sizes):
-            info["data"].copy_into(scratch[:nbytes])
-            info["data"] = scratch[:nbytes].tobytes()
+        for info in layers:
+            info["data"] = info["data"].tobytes()
         return reply
     for info, offset, nbytes in zip(layers, offsets, sizes):
         del info["data"]
