@@ -6,7 +6,7 @@ gather), ``write_reply`` (the copy into the shared-memory file), ``read_replies`
 ``deserialize_captured``. Prints one line per run.
 
     python3 benchmarks/fetch_path.py [--layers 16 --width 2048 --rows 64 --steps 150 --runs 3]
-                                     [--steps-per-drain 1]
+                                     [--steps-per-drain 1] [--write-threads N] [--fresh]
 """
 
 from __future__ import annotations
@@ -68,7 +68,14 @@ def main() -> None:
                    help="steps whose rows reach the store in one append (the engine drains "
                         "many decode steps at once)")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--write-threads", type=int, default=shm.WRITE_THREADS,
+                   help="threads that populate and fill the reply file")
+    p.add_argument("--fresh", action="store_true", help="no file pool: every fetch makes a new file")
     args = p.parse_args()
+    shm.WRITE_THREADS = args.write_threads
+    if args.fresh:
+        shm.POOL_FILES = 0
+    print(f"write threads {shm.WRITE_THREADS}, {'fresh files' if args.fresh else 'pooled files'}")
     for _ in range(args.runs):
         print(one_fetch(args.layers, args.width, args.rows, args.steps, args.steps_per_drain),
               flush=True)

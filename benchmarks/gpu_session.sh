@@ -80,11 +80,15 @@ PY
     python3 -m vllm_capture.cli inspect /tmp/extract/all4 --verify >"$OUT/extract_inspect.log" 2>&1; echo "inspect rc=$?"; head -20 "$OUT/extract_inspect.log"
     ;;
   fetch)
-    # The fetch path alone (no engine, no GPU): fresh vs pooled /dev/shm files, a 16-layer
-    # hidden-state shape and a 48-layer router-logit shape drained 82 steps at a time.
-    python3 benchmarks/fetch_path.py --runs 4 2>&1 | grep -v Warn | tee "$OUT/fetch_path.txt"
-    python3 benchmarks/fetch_path.py --layers 48 --width 128 --steps 287 --steps-per-drain 82 --runs 4 \
-      2>&1 | grep -v Warn | tee -a "$OUT/fetch_path.txt"
+    # The fetch path alone (no engine, no GPU): one writer thread vs the default, fresh vs pooled
+    # /dev/shm files, a 16-layer hidden-state shape and a 48-layer router-logit shape drained 82
+    # steps at a time.
+    (uname -r; nproc; cat /sys/kernel/mm/transparent_hugepage/shmem_enabled; df -h /dev/shm) | tee "$OUT/fetch_path.txt"
+    for args in "--write-threads 1 --fresh" "--fresh" "--write-threads 1" ""; do
+      python3 benchmarks/fetch_path.py --runs 3 $args 2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
+    done
+    python3 benchmarks/fetch_path.py --layers 48 --width 128 --steps 287 --steps-per-drain 82 --runs 3 \
+      2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import errno
 import gc
+import mmap
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from types import SimpleNamespace
 
@@ -229,16 +231,55 @@ def test_not_enough_space_falls_back_to_bytes(monkeypatch):
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
 
-def test_a_full_dev_shm_at_reservation_falls_back_to_bytes_and_leaves_no_file(monkeypatch):
+def _full(fd, offset, length):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("kernel", ["populates", "cannot populate"])
+def test_a_full_dev_shm_at_reservation_falls_back_to_bytes_and_leaves_no_file(monkeypatch, kernel):
     before = _shm_files()
-
-    def full(fd, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    # What MADV_POPULATE_WRITE answers where tmpfs has no page left (EFAULT: "would SIGBUS"), and
+    # what a kernel before 5.14 answers (EINVAL), after which posix_fallocate reserves.
+    monkeypatch.setattr(shm, "_populate_range", lambda address, length: (
+        errno.EFAULT if kernel == "populates" else errno.EINVAL))
+    monkeypatch.setattr(shm.os, "posix_fallocate", _full)
     reply = shm.write_reply(_reply(_store()))
     assert "shm_path" not in reply and _shm_files() == before
     assert all(type(v["data"]) is bytes for v in reply["layers"].values())
+
+
+def test_a_kernel_without_populate_reserves_with_fallocate_and_still_shares_the_file(monkeypatch):
+    reserved = []
+    monkeypatch.setattr(shm, "_populate_range", lambda address, length: errno.EINVAL)
+    monkeypatch.setattr(shm.os, "posix_fallocate",
+                        lambda fd, offset, length: reserved.append(length) or os.ftruncate(fd, length))
+    reply = shm.write_reply(_reply(_store()))
+    assert "shm_path" in reply and reserved
+    want = deserialize_captured(shm.write_reply(_reply(_store()), shared=False)["layers"])
+    _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
+
+
+def test_the_file_is_populated_in_ranges_on_several_threads(monkeypatch):
+    """Ranges cover the file exactly once, page-aligned, and each range runs on a pool thread."""
+    ranges, threads = [], set()
+    real = shm._populate_range
+
+    def record(address, length):
+        ranges.append((address, length))
+        threads.add(threading.get_ident())
+        return real(address, length)
+
+    monkeypatch.setattr(shm, "_populate_range", record)
+    monkeypatch.setattr(shm, "WRITE_THREADS", 3)
+    monkeypatch.setattr(shm, "POPULATE_BYTES", 4096)
+    reply = shm.write_reply(_reply(_store(width=2000)))
+    total = os.path.getsize(reply["shm_path"])
+    ranges.sort()
+    assert ranges[0][1] % mmap.PAGESIZE == 0 and len(ranges) == 3
+    assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    assert sum(n for _, n in ranges) == total and threading.get_ident() not in threads
+    want = deserialize_captured(shm.write_reply(_reply(_store(width=2000)), shared=False)["layers"])
+    _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
 
 def test_a_failed_copy_leaves_no_file():

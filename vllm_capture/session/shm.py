@@ -20,8 +20,14 @@ the last tensor of that fetch (any layer, any view of one) is freed. Writing to 
 and private: it copies the pages written to. A caller that keeps a small part of a large fetch
 should copy that part (``.clone()``) and drop the rest.
 
-Files are reused. Fresh tmpfs pages are the fetch's cost: the kernel allocates and zeroes them at
-about 1 GB/s on the H200 host, where the gather itself runs at several GB/s. So when the last
+Fresh tmpfs pages are the fetch's cost: the kernel allocates and zeroes them at about 1 GB/s per
+thread on the H200 host, where the gather itself runs at several GB/s. So the worker sizes the file
+(``ftruncate``) and several threads populate ranges of its mapping at once
+(``MADV_POPULATE_WRITE``, Linux 5.14+: a full tmpfs is an error there, not a SIGBUS mid-copy),
+then copy the layers' rows, a layer per thread. Older kernels reserve with ``posix_fallocate`` and
+populate on one thread.
+
+Files are reused, too. When the last
 tensor of a fetch is freed, the client renames its file to ``vllm-capture-free-*`` (a pool of at
 most ``POOL_FILES`` files and ``POOL_BYTES``), and a worker's next reply that fits in one claims it
 by renaming it back (atomic, so two workers never share one) and writes into pages that already
@@ -40,6 +46,9 @@ uncopied, see ``wire.deserialize_captured``).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import ctypes
+import errno
 import mmap
 import os
 import secrets
@@ -54,6 +63,13 @@ FREE_SPACE_FACTOR = 2
 # Layer offsets in a reply's file are multiples of this (bytes).
 ALIGN = 64
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
+_MADV_POPULATE_WRITE = 23  # linux/mman.h
+# Threads that populate a reply file's pages and copy its layers; ranges of at least
+# POPULATE_BYTES go to one thread.
+WRITE_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+POPULATE_BYTES = 32 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 ROWS, FREE = PREFIX + "rows-", PREFIX + "free-"
 # The pool of files whose pages are kept for the next fetch: at most this many files and bytes
 # (and a quarter of /dev/shm).
@@ -143,24 +159,23 @@ def _write_file(blocks: list, offsets: list[int], total: int) -> str | None:
         except OSError:
             return None
     try:
-        try:
-            # Reserve the pages first: through a mapping, a full tmpfs is a SIGBUS, not an error
-            # (a no-op for a pooled file's pages). Populating the mapping up front beats a page
-            # fault per page during the copy.
-            os.posix_fallocate(fd, 0, total)
-            mapped = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        try:
-            for block, offset in zip(blocks, offsets):
-                if block.nbytes:
-                    block.copy_into(memoryview(mapped)[offset: offset + block.nbytes])
-        finally:
+        with concurrent.futures.ThreadPoolExecutor(WRITE_THREADS, "vllm-capture-shm") as pool:
             try:
-                mapped.close()
-            except BufferError:  # a view still held by an exception's traceback
-                pass
+                mapped = _map_populated(fd, total, pool)
+            finally:
+                os.close(fd)
+            try:
+                copies = [pool.submit(block.copy_into, memoryview(mapped)[offset: offset + block.nbytes])
+                          for block, offset in zip(blocks, offsets) if block.nbytes]
+                concurrent.futures.wait(copies)  # all of them, before the mapping closes
+                for copy in copies:
+                    copy.result()
+            finally:
+                copies = None
+                try:
+                    mapped.close()
+                except BufferError:  # a view still held by an exception's traceback
+                    pass
     except OSError:
         _remove(path)
         return None
@@ -168,6 +183,43 @@ def _write_file(blocks: list, offsets: list[int], total: int) -> str | None:
         _remove(path)
         raise
     return path
+
+
+def _map_populated(fd: int, total: int, pool: concurrent.futures.Executor) -> mmap.mmap:
+    """A shared writable mapping of the file's first ``total`` bytes, every page allocated (a
+    no-op for a pooled file's pages); OSError where tmpfs has no room. Through a mapping, a page
+    the kernel cannot provide is a SIGBUS at the first write, not an error: hence reserving first.
+    Populating up front, on several threads, beats a page fault per page during the copy."""
+    if os.fstat(fd).st_size < total:
+        os.ftruncate(fd, total)
+    mapped = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        view = ctypes.c_char.from_buffer(mapped)
+        base = ctypes.addressof(view)
+        del view  # releases the buffer export, so the mapping can close
+        step = -(-max(POPULATE_BYTES, -(-total // WRITE_THREADS)) // mmap.PAGESIZE) * mmap.PAGESIZE
+        ranges = [(base + start, min(step, total - start)) for start in range(0, total, step)]
+        failures = [e for e in pool.map(lambda r: _populate_range(*r), ranges) if e]
+        if failures and all(e in (errno.EINVAL, errno.ENOSYS) for e in failures):
+            # A kernel without MADV_POPULATE_WRITE: reserve, then populate on one thread.
+            mapped.close()
+            os.posix_fallocate(fd, 0, total)
+            return mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if failures:
+            code = next(e for e in failures if e not in (errno.EINVAL, errno.ENOSYS))
+            raise OSError(code, f"populating the capture reply file: {os.strerror(code)}")
+    except BaseException:
+        mapped.close()
+        raise
+    return mapped
+
+
+def _populate_range(address: int, length: int) -> int:
+    """Allocate and map the pages of one range of a mapping; 0, or the errno of the failure."""
+    if _libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def _claim_pooled(total: int) -> str | None:
