@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | bench-quick | bench-full | bench-moe   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | fetch | startup | bench-quick | bench-full | bench-moe   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe)
 set -uo pipefail
 SET=${1:-dense}
@@ -89,6 +89,10 @@ PY
     done
     python3 benchmarks/fetch_path.py --layers 48 --width 128 --steps 287 --steps-per-drain 82 --runs 3 \
       2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
+    ;;
+  startup)
+    # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.
+    timeout 540 python3 benchmarks/startup.py --model ${2:-1b} --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph

@@ -29,6 +29,9 @@ def _max(values):
     return max(values) if values else None
 
 
+FETCH_STAGES = ("finalize", "wait", "serialize", "write")
+
+
 def _per_step(rep: dict, *keys: str) -> float | None:
     steps = rep.get("host_steps")
     if not steps or any(rep.get(k) is None for k in keys):
@@ -71,6 +74,10 @@ def aggregate(reps: list[dict]) -> dict:
         "host_ms_per_step": _median(per_rep(lambda r: _per_step(
             r, "host_begin_step_ms", "host_end_step_ms", "host_finish_requests_ms"))),
         "harvest_ms_per_step": _median(per_rep(lambda r: _per_step(r, "host_harvest_ms"))),
+        # Where a fetch's time goes in the worker (rank 0), in ms: the rest of fetch_s is the RPC
+        # and the client's decode.
+        **{f"fetch_{stage}_ms": _median(per_rep(lambda r, k=f"host_fetch_{stage}_ms": r.get(k)))
+           for stage in FETCH_STAGES},
     }
     expected = out["rows_expected"]
     out["complete"] = (out["dropped"] == 0 and (expected is None
@@ -231,9 +238,10 @@ def markdown(report: dict) -> str:
         lines.append(f"## {workload}")
         lines.append("")
         lines.append("| scenario | engine | tok/s | ratio | best ratio | tok/s e2e | ratio e2e | vs idle (e2e) | fetch s "
+                     "| fetch in worker ms (finalize/wait/serialize/write) "
                      "| rows/s | GB/s | B/token | rows (expected) | dropped | host ms/step (harvest) "
                      "| client peak RSS GiB | engine peak RSS GiB |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, a in rows.items():
             expected = a.get("rows_expected")
             rows_txt = f"{a['rows']:.0f}" + (f" ({expected})" if expected is not None else "")
@@ -244,6 +252,7 @@ def markdown(report: dict) -> str:
                 f"| {_f(a.get('ratio_best'))} "
                 f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} "
                 f"| {_f(a.get('ratio_idle'))} ({_f(a.get('ratio_idle_e2e'))}) | {_f(a['fetch_s'])} "
+                f"| {'/'.join(_f(a.get(f'fetch_{k}_ms'), '{:.0f}') for k in FETCH_STAGES)} "
                 f"| {_f(a['rows_s'], '{:.3g}')} | {_f(a['gbps'], '{:.2f}')} | {_f(a['bytes_per_token'], '{:.0f}')} "
                 f"| {rows_txt} | {a['dropped']} "
                 f"| {_f(a.get('host_ms_per_step'), '{:.3f}')} ({_f(a.get('harvest_ms_per_step'), '{:.3f}')}) "

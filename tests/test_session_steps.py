@@ -656,8 +656,11 @@ def test_capacity_example_with_stream_status():
     engine.step([(r, 4) for r in reqs], pad=2)
     status = engine.session.stream_status(HS)
     assert status["tokens_stored"] == 5 and status["tokens_dropped"] == 7
+    assert status["host_timers"]["fetch_serialize_ms"] == 0
     rows = decode_rows(*engine.fetch(HS))
     check_rows(ref, rows, {(reqs[0].rid, q) for q in range(4)} | {(reqs[1].rid, 0)})
+    timers = engine.session.stream_status(HS)["host_timers"]
+    assert timers["fetch_wait_ms"] > 0 and timers["fetch_serialize_ms"] > 0
 
 
 # ---- 3. budget_rows ------------------------------------------------------------------------------

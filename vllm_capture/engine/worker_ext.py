@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 
@@ -190,8 +191,11 @@ class CaptureWorkerExtension:
             data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids,
                                         raw_data=True)
         reply = {**tp_rank_and_size(), "layers": {str(k): v for k, v in data.items()}}
+        t0 = time.perf_counter()
         # Rows go through shared memory only when this worker can read the client's probe file.
-        return shm.write_reply(reply, shared=shm.worker_sees(shm_probe))
+        reply = shm.write_reply(reply, shared=shm.worker_sees(shm_probe))
+        session.add_host_time("fetch_write", time.perf_counter() - t0)
+        return reply
 
     @_tagged_errors
     def clear_captured(self, stream: str) -> dict:

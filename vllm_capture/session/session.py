@@ -142,8 +142,12 @@ class CaptureSession:
         self._step_executions_baseline: int | None = None
         self._eager_forwards = 0
         # Host time the step path spends in capture code (begin/end of a step, finished requests).
-        # "harvest" is the harvest thread's (off the step path, but it shares the GIL).
-        self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0}
+        # "harvest" is the harvest thread's (off the step path, but it shares the GIL). The fetch_*
+        # stages are a fetch's, in the worker: reductions still open, storing what is drained,
+        # planning the rows (serialize) and copying them out (write, timed by the caller).
+        self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
+                        "fetch_finalize": 0.0, "fetch_wait": 0.0, "fetch_serialize": 0.0,
+                        "fetch_write": 0.0}
         self._host_steps = 0
         self._queue: queue.Queue = queue.Queue()
         self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
@@ -212,21 +216,31 @@ class CaptureSession:
             if stream not in self._streams:
                 raise ValueError(f"Unknown capture stream: {stream!r}")
             return {}
+        t0 = time.perf_counter()
         if st.config.reduce != "all":
             # Reductions of requests still open are finalized now (capture() fetches after
             # generate() returned, when every request is done).
             self._finalize(st, [r for r in list(st.slots)
                                 if req_ids is None or _matches_any(r, req_ids)])
+        t1 = time.perf_counter()
         self._wait_harvest()
+        t2 = time.perf_counter()
         # Serialize and remove under one store lock: rows the harvest thread appends meanwhile
         # stay for the next fetch instead of being cleared unseen.
         result = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear,
                                     raw_data=raw_data)
+        self._host_s["fetch_finalize"] += t1 - t0
+        self._host_s["fetch_wait"] += t2 - t1
+        self._host_s["fetch_serialize"] += time.perf_counter() - t2
         for layer, info in result.items():
             layout = self._layouts.get(stream, {}).get(layer)
             if layout:
                 info["layout"] = dict(layout)
         return result
+
+    def add_host_time(self, name: str, seconds: float) -> None:
+        """Count ``seconds`` of capture work done outside the session (``host_timers``)."""
+        self._host_s[name] += seconds
 
     def clear_stream(self, stream: str) -> None:
         st = self._streams.get(stream)

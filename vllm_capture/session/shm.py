@@ -64,8 +64,8 @@ FREE_SPACE_FACTOR = 2
 ALIGN = 64
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
-# Threads that populate a reply file's pages and copy its layers; ranges of at least
-# POPULATE_BYTES go to one thread.
+# Threads that populate a reply file's pages and copy its layers: one per POPULATE_BYTES of the
+# file, at most WRITE_THREADS (a small reply is written on the calling thread).
 WRITE_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 POPULATE_BYTES = 32 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -158,34 +158,46 @@ def _write_file(blocks: list, offsets: list[int], total: int) -> str | None:
             fd, path = tempfile.mkstemp(prefix=ROWS, dir=SHM_DIR)
         except OSError:
             return None
+    threads = max(1, min(WRITE_THREADS, total // POPULATE_BYTES))
+    pool = concurrent.futures.ThreadPoolExecutor(threads, "vllm-capture-shm") if threads > 1 else None
     try:
-        with concurrent.futures.ThreadPoolExecutor(WRITE_THREADS, "vllm-capture-shm") as pool:
+        try:
+            mapped = _map_populated(fd, total, pool, threads)
+        finally:
+            os.close(fd)
+        try:
+            _each(pool, lambda block, offset: block.copy_into(
+                memoryview(mapped)[offset: offset + block.nbytes]),
+                [(b, o) for b, o in zip(blocks, offsets) if b.nbytes])
+        finally:
             try:
-                mapped = _map_populated(fd, total, pool)
-            finally:
-                os.close(fd)
-            try:
-                copies = [pool.submit(block.copy_into, memoryview(mapped)[offset: offset + block.nbytes])
-                          for block, offset in zip(blocks, offsets) if block.nbytes]
-                concurrent.futures.wait(copies)  # all of them, before the mapping closes
-                for copy in copies:
-                    copy.result()
-            finally:
-                copies = None
-                try:
-                    mapped.close()
-                except BufferError:  # a view still held by an exception's traceback
-                    pass
+                mapped.close()
+            except BufferError:  # a view still held by an exception's traceback
+                pass
     except OSError:
         _remove(path)
         return None
     except BaseException:
         _remove(path)
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return path
 
 
-def _map_populated(fd: int, total: int, pool: concurrent.futures.Executor) -> mmap.mmap:
+def _each(pool: concurrent.futures.Executor | None, fn, items: list[tuple]) -> list:
+    """``fn(*item)`` for every item, on the pool's threads (here without a pool). Every call has
+    finished when this returns or raises (the mapping they write to closes next)."""
+    if pool is None:
+        return [fn(*item) for item in items]
+    futures = [pool.submit(fn, *item) for item in items]
+    concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
+
+
+def _map_populated(fd: int, total: int, pool: concurrent.futures.Executor | None,
+                   threads: int) -> mmap.mmap:
     """A shared writable mapping of the file's first ``total`` bytes, every page allocated (a
     no-op for a pooled file's pages); OSError where tmpfs has no room. Through a mapping, a page
     the kernel cannot provide is a SIGBUS at the first write, not an error: hence reserving first.
@@ -197,9 +209,9 @@ def _map_populated(fd: int, total: int, pool: concurrent.futures.Executor) -> mm
         view = ctypes.c_char.from_buffer(mapped)
         base = ctypes.addressof(view)
         del view  # releases the buffer export, so the mapping can close
-        step = -(-max(POPULATE_BYTES, -(-total // WRITE_THREADS)) // mmap.PAGESIZE) * mmap.PAGESIZE
+        step = -(-(-(-total // threads)) // mmap.PAGESIZE) * mmap.PAGESIZE
         ranges = [(base + start, min(step, total - start)) for start in range(0, total, step)]
-        failures = [e for e in pool.map(lambda r: _populate_range(*r), ranges) if e]
+        failures = [e for e in _each(pool, _populate_range, ranges) if e]
         if failures and all(e in (errno.EINVAL, errno.ENOSYS) for e in failures):
             # A kernel without MADV_POPULATE_WRITE: reserve, then populate on one thread.
             mapped.close()

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Engine start-up, vanilla against capture-installed, each from its own empty compile cache.
+
+    python3 benchmarks/startup.py --model 1b [--order vanilla,capture,vanilla,capture] [--out DIR]
+
+Start order decides who finds a warm cache: in one cache directory, the engine started second
+reuses the Triton kernels and Inductor code the first one compiled. So every kind gets a fresh
+cache root of its own (``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``):
+its first start is cold, its next start in the same order list is warm (what a user restarting
+an engine sees). Each start runs in a fresh process and times ``LLM(...)`` until it returns, CUDA
+graphs and torch.compile on (vLLM's defaults). Prints one line per start and the capture/vanilla
+ratios last; writes ``startup.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+KINDS = ("vanilla", "capture")
+# What vLLM logs about the parts of a start (seconds), when it logs them.
+PHASES = {
+    "compile_s": re.compile(r"torch\.compile takes ([\d.]+) s in total"),
+    "graph_capture_s": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
+    "engine_init_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) seconds"),
+}
+
+
+def start_once(kind: str, folder: str, cpu: bool) -> float:
+    """Build one engine in this process and return the seconds ``LLM(...)`` took."""
+    from vllm import LLM
+
+    import vllm_capture as vc
+
+    kw = dict(dtype="float32" if cpu else "bfloat16", max_model_len=1024, seed=0, max_num_seqs=64)
+    if not cpu:
+        kw.update(load_format="dummy", gpu_memory_utilization=0.4)
+    else:
+        kw["enforce_eager"] = True
+    t = time.perf_counter()
+    llm = vc.LLM(folder, **kw) if kind == "capture" else LLM(folder, **kw)
+    seconds = time.perf_counter() - t
+    del llm
+    return seconds
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="1b", help="a benchmarks.scenarios.MODELS key")
+    p.add_argument("--order", default="vanilla,capture,vanilla,capture",
+                   help="starts, in order; each kind's first start is cold, later ones warm")
+    p.add_argument("--out", help="folder for startup.json")
+    p.add_argument("--timeout-s", type=float, default=400.0, help="per start")
+    p.add_argument("--one", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    cpu = not _has_cuda()
+    if args.one:
+        print(f"STARTUP_S {start_once(args.one[0], args.one[1], cpu):.3f}", flush=True)
+        os._exit(0)  # engine threads can hang interpreter exit; the number is out
+
+    order = args.order.split(",")
+    if not order or not set(order) <= set(KINDS):
+        p.error(f"--order: a comma list of {'|'.join(KINDS)}")
+    from benchmarks import scenarios as S
+    from benchmarks.run import prepare_model
+
+    work = Path(tempfile.mkdtemp(prefix="startup-"))
+    folder = str(prepare_model(S.MODELS[args.model], work))
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    starts = []
+    for kind in order:
+        cache = work / f"cache-{kind}"
+        env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "vllm"),
+                   TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+        cold = not cache.exists()
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, __file__, "--one", kind, folder], env=env,
+                              capture_output=True, text=True, timeout=args.timeout_s)
+        log = proc.stdout + proc.stderr
+        found = re.search(r"STARTUP_S ([\d.]+)", proc.stdout)
+        start = {"kind": kind, "cache": "cold" if cold else "warm", "rc": proc.returncode,
+                 "llm_s": float(found.group(1)) if found else None,
+                 "process_s": round(time.perf_counter() - t, 3)}
+        for name, pattern in PHASES.items():
+            hit = pattern.findall(log)
+            start[name] = float(hit[-1]) if hit else None
+        if found is None:
+            start["log_tail"] = log[-2000:]
+        starts.append(start)
+        print(json.dumps(start), flush=True)
+
+    ratios = {}
+    for cache in ("cold", "warm"):
+        by_kind = {k: [s["llm_s"] for s in starts if s["kind"] == k and s["cache"] == cache
+                       and s["llm_s"] is not None] for k in KINDS}
+        if all(by_kind.values()):
+            ratios[cache] = statistics.median(by_kind["capture"]) / statistics.median(by_kind["vanilla"])
+    result = {"model": args.model, "order": order, "starts": starts, "capture_over_vanilla": ratios}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "startup.json").write_text(json.dumps(result, indent=1))
+    for cache, ratio in ratios.items():
+        verdict = "PASS" if ratio <= 1.1 else "FAIL"
+        print(f"{verdict}  {cache} start-up, capture / vanilla <= 1.1: {ratio:.3f}")
+    return 0 if all(s["llm_s"] is not None for s in starts) else 1
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
