@@ -63,12 +63,15 @@ def main() -> int:
                    help="starts, in order; each kind's first start is cold, later ones warm")
     p.add_argument("--out", help="folder for startup.json")
     p.add_argument("--timeout-s", type=float, default=400.0, help="per start")
-    p.add_argument("--one", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=3, metavar=("KIND", "FOLDER", "DEVICE"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    cpu = not _has_cuda()
     if args.one:
-        print(f"STARTUP_S {start_once(args.one[0], args.one[1], cpu):.3f}", flush=True)
+        # The parent says which device: asking torch here would initialize CUDA before vLLM
+        # forks its engine core, which then cannot use the GPU.
+        print(f"STARTUP_S {start_once(args.one[0], args.one[1], args.one[2] == 'cpu'):.3f}",
+              flush=True)
         os._exit(0)  # engine threads can hang interpreter exit; the number is out
+    cpu = not _has_cuda()
 
     order = args.order.split(",")
     if not order or not set(order) <= set(KINDS):
@@ -87,7 +90,8 @@ def main() -> int:
                    TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
         cold = not cache.exists()
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--one", kind, folder], env=env,
+        proc = subprocess.run([sys.executable, __file__, "--one", kind, folder, "cpu" if cpu else "cuda"],
+                              env=env,
                               capture_output=True, text=True, timeout=args.timeout_s)
         log = proc.stdout + proc.stderr
         found = re.search(r"STARTUP_S ([\d.]+)", proc.stdout)

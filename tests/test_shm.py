@@ -411,6 +411,27 @@ def test_the_pool_keeps_at_most_pool_files_and_pool_bytes(monkeypatch):
     assert not _pool() and not os.path.exists(path)  # over the byte cap: deleted
 
 
+def test_a_large_release_evicts_the_oldest_small_pooled_files_and_carries_the_next_large_fetch(
+        monkeypatch):
+    """Two small files in the pool (a touch fetch, or files a killed client left) must not turn
+    away a large one: the least recently released make room."""
+    monkeypatch.setattr(shm, "POOL_SLACK", 1)
+    monkeypatch.setattr(shm, "POOL_SLACK_BYTES", 0)
+    smalls = [_fetch(_store(width=4, steps=(1,), seed=seed)) for seed in range(2)]
+    del smalls
+    gc.collect()
+    small_pool = _pool()
+    assert len(small_pool) == shm.POOL_FILES == 2
+    os.utime(os.path.join(shm.SHM_DIR, small_pool[0]), (0, 0))  # released long ago
+    big, big_path = _fetch(_store(width=4096, steps=(64,), seed=3))
+    inode = _inode(big_path)
+    del big
+    gc.collect()
+    assert len(_pool()) == 2 and small_pool[0] not in _pool() and small_pool[1] in _pool()
+    again, path = _fetch(_store(width=4096, steps=(64,), seed=4))
+    assert _inode(path) == inode  # the large file, not a fresh one
+
+
 def test_a_small_fetch_does_not_hold_a_much_larger_pooled_file(monkeypatch):
     monkeypatch.setattr(shm, "POOL_SLACK", 1)
     monkeypatch.setattr(shm, "POOL_SLACK_BYTES", 0)

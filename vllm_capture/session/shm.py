@@ -27,13 +27,14 @@ thread on the H200 host, where the gather itself runs at several GB/s. So the wo
 then copy the layers' rows, a layer per thread. Older kernels reserve with ``posix_fallocate`` and
 populate on one thread.
 
-Files are reused, too. When the last
-tensor of a fetch is freed, the client renames its file to ``vllm-capture-free-*`` (a pool of at
-most ``POOL_FILES`` files and ``POOL_BYTES``), and a worker's next reply that fits in one claims it
-by renaming it back (atomic, so two workers never share one) and writes into pages that already
-exist. The client deletes the files it pooled when it exits, and any file whose pool is full.
+Files are reused, too. When the last tensor of a fetch is freed, the client renames its file to
+``vllm-capture-free-*``, into a pool of at most ``POOL_FILES`` files and ``POOL_BYTES``: the least
+recently released files make room, or are deleted. A worker's next reply that fits in a pooled
+file claims it by renaming it back (atomic, so two workers never share one) and writes into pages
+that already exist. The client deletes the files it pooled when it exits.
 
-A client killed while holding fetched rows, or with files pooled, leaves them behind
+A client killed (or ended with ``os._exit``) while holding fetched rows, or with files pooled,
+leaves them behind
 (``/dev/shm/vllm-capture-rows-*``, ``vllm-capture-free-*``; safe to delete when no capture
 client runs).
 
@@ -259,22 +260,39 @@ def _claim_pooled(total: int) -> str | None:
 
 
 def _release(path: str, size: int) -> None:
-    """The last tensor of a fetch is gone: pool its file if the pool has room, else delete it."""
+    """The last tensor of a fetch is gone: pool its file, evicting the pool's least recently
+    released files to make room (a pool full of small files would otherwise turn away every large
+    one, and files left by killed clients would hold it forever); delete it if it is larger than
+    the pool may hold."""
     if _exiting:
         _remove(path)
         return
     try:
-        pooled = [os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(FREE)]
-        held = sum(os.stat(p).st_size for p in pooled)
         st = os.statvfs(SHM_DIR)
-        if (len(pooled) < POOL_FILES and held + size <= min(POOL_BYTES, st.f_blocks * st.f_frsize // 4)):
-            free = os.path.join(SHM_DIR, FREE + secrets.token_hex(8))
-            os.rename(path, free)
-            _pooled.add(free)
+        cap = min(POOL_BYTES, st.f_blocks * st.f_frsize // 4)
+        if size > cap or POOL_FILES < 1:
+            _remove(path)
             return
+        pooled = []
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(FREE):
+                try:
+                    info = os.stat(os.path.join(SHM_DIR, name))
+                except OSError:
+                    continue  # claimed meanwhile
+                pooled.append((info.st_mtime, os.path.join(SHM_DIR, name), info.st_size))
+        pooled.sort()
+        held = sum(p[2] for p in pooled)
+        while pooled and (len(pooled) >= POOL_FILES or held + size > cap):
+            _, oldest, oldest_size = pooled.pop(0)
+            _remove(oldest)
+            held -= oldest_size
+        free = os.path.join(SHM_DIR, FREE + secrets.token_hex(8))
+        os.rename(path, free)
+        os.utime(free)  # released now: the last to be evicted
+        _pooled.add(free)
     except OSError:
-        pass
-    _remove(path)
+        _remove(path)
 
 
 def _at_exit() -> None:
