@@ -40,11 +40,11 @@ def main() -> int:
 
     import vllm_capture as vc
     from benchmarks import scenarios as S
-    from benchmarks.run import Prompts, prepare_model
+    from benchmarks.run import Prompts, has_cuda, prepare_model
 
     shape = S.MODELS[args.model]
     folder = prepare_model(shape, Path(tempfile.mkdtemp(prefix="engine-order-")))
-    cpu = shape.tiny is not None and not _has_cuda()
+    cpu = shape.tiny is not None and not has_cuda()
     kw = dict(dtype="float32" if cpu else "bfloat16", max_model_len=1024, seed=0,
               max_num_seqs=args.concurrency)
     if shape.tiny is None:
@@ -74,15 +74,6 @@ def main() -> int:
           f"second {second:.0f} tok/s {[round(x) for x in tok_s[1]]}, second/first {second / first:.3f}",
           flush=True)
     os._exit(0)  # engine threads can hang interpreter exit; the numbers are out
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 if __name__ == "__main__":

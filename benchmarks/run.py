@@ -415,6 +415,14 @@ def results_dir(out: str | Path, suite: S.Suite, stamp: str) -> Path:
     return Path(out) / "results" / name
 
 
+def has_cuda() -> bool:
+    """Whether vLLM runs on a GPU here. Asked of vLLM's platform (NVML), not of torch: a process
+    that asked torch has initialized CUDA, and the engine core vLLM forks from it cannot use the GPU."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
 def prepare_model(shape: S.ModelShape, work: Path) -> Path:
     """A folder vLLM starts from: the tiny checkpoint, or config.json + the tiny tokenizer."""
     from vllm_capture import tiny_models

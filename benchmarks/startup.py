@@ -66,18 +66,16 @@ def main() -> int:
     p.add_argument("--one", nargs=3, metavar=("KIND", "FOLDER", "DEVICE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        # The parent says which device: asking torch here would initialize CUDA before vLLM
-        # forks its engine core, which then cannot use the GPU.
         print(f"STARTUP_S {start_once(args.one[0], args.one[1], args.one[2] == 'cpu'):.3f}",
               flush=True)
         os._exit(0)  # engine threads can hang interpreter exit; the number is out
-    cpu = not _has_cuda()
-
     order = args.order.split(",")
     if not order or not set(order) <= set(KINDS):
         p.error(f"--order: a comma list of {'|'.join(KINDS)}")
     from benchmarks import scenarios as S
-    from benchmarks.run import prepare_model
+    from benchmarks.run import has_cuda, prepare_model
+
+    cpu = not has_cuda()
 
     work = Path(tempfile.mkdtemp(prefix="startup-"))
     folder = str(prepare_model(S.MODELS[args.model], work))
@@ -120,15 +118,6 @@ def main() -> int:
         verdict = "PASS" if ratio <= 1.1 else "FAIL"
         print(f"{verdict}  {cache} start-up, capture / vanilla <= 1.1: {ratio:.3f}")
     return 0 if all(s["llm_s"] is not None for s in starts) else 1
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 if __name__ == "__main__":
