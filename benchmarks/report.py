@@ -29,7 +29,7 @@ def _max(values):
     return max(values) if values else None
 
 
-FETCH_STAGES = ("finalize", "wait", "serialize", "write")
+FETCH_STAGES = ("finalize", "drain", "wait", "serialize", "write")
 
 
 def _per_step(rep: dict, *keys: str) -> float | None:
@@ -238,7 +238,7 @@ def markdown(report: dict) -> str:
         lines.append(f"## {workload}")
         lines.append("")
         lines.append("| scenario | engine | tok/s | ratio | best ratio | tok/s e2e | ratio e2e | vs idle (e2e) | fetch s "
-                     "| fetch in worker ms (finalize/wait/serialize/write) "
+                     "| fetch in worker ms (finalize/drain/wait/serialize/write) "
                      "| rows/s | GB/s | B/token | rows (expected) | dropped | host ms/step (harvest) "
                      "| client peak RSS GiB | engine peak RSS GiB |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

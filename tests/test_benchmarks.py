@@ -233,11 +233,12 @@ def test_aggregate_host_time_per_step():
 
 def test_aggregate_fetch_stages_are_medians_of_the_reps():
     reps = [{"gen_s": 1.0, "generated_tokens": 100, "fetch_s": 0.1, "host_fetch_finalize_ms": 1.0,
-             "host_fetch_wait_ms": w, "host_fetch_serialize_ms": 3.0, "host_fetch_write_ms": 4.0 * w}
+             "host_fetch_drain_ms": 0.5, "host_fetch_wait_ms": w, "host_fetch_serialize_ms": 3.0,
+             "host_fetch_write_ms": 4.0 * w}
             for w in (2.0, 8.0, 5.0)]
     a = R.aggregate(reps)
-    assert (a["fetch_finalize_ms"], a["fetch_wait_ms"], a["fetch_serialize_ms"],
-            a["fetch_write_ms"]) == (1.0, 5.0, 3.0, 20.0)
+    assert (a["fetch_finalize_ms"], a["fetch_drain_ms"], a["fetch_wait_ms"], a["fetch_serialize_ms"],
+            a["fetch_write_ms"]) == (1.0, 0.5, 5.0, 3.0, 20.0)
 
 
 def test_summarize_ratios_to_vanilla_of_the_same_workload():

@@ -12,6 +12,8 @@ import gc
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -474,3 +476,47 @@ def test_a_pooled_file_another_worker_took_is_skipped(monkeypatch):
     want = deserialize_captured(shm.write_reply(_reply(_store(seed=2)), shared=False)["layers"])
     got, path = _fetch(_store(seed=2))  # a new file instead
     _assert_same(got, want)
+
+
+# ---- files a client leaves behind ----------------------------------------------------------------
+
+
+def _gone_pid() -> int:
+    """The pid of a process that has exited."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_reply_files_are_named_for_the_client_that_fetches():
+    probe = shm.client_probe()
+    assert shm.client_pid(probe) == os.getpid() and shm.client_pid(None) is None
+    reply = shm.write_reply(_reply(_store()), owner=shm.client_pid(probe))
+    assert os.path.basename(reply["shm_path"]).startswith(f"{shm.ROWS}{os.getpid()}-")
+    got = deserialize_captured(shm.read_replies([reply])[0]["layers"])
+    del got, reply
+    gc.collect()
+    [pooled] = _pool()
+    assert pooled.startswith(f"{shm.FREE}{os.getpid()}-")
+
+
+def test_the_files_of_a_gone_client_are_deleted_at_the_next_clients_first_fetch():
+    gone, live = _gone_pid(), os.getpid()
+    names = {
+        "gone": [f"{shm.ROWS}{gone}-a1", f"{shm.FREE}{gone}-b2", f"{shm.PROBE}{gone}-c3"],
+        # Kept: the client lives; the file is too recent (its reply may be in flight); a name
+        # without an owner (older releases); another program's file.
+        "kept": [f"{shm.ROWS}{live}-d4", f"{shm.ROWS}{gone}-recent", f"{shm.ROWS}e5f6a7b8",
+                 "other-program-1234-x"],
+    }
+    for group in names.values():
+        for name in group:
+            with open(os.path.join(shm.SHM_DIR, name), "wb") as f:
+                f.write(b"x")
+    for name in names["gone"] + names["kept"]:
+        if "recent" not in name:
+            os.utime(os.path.join(shm.SHM_DIR, name), (0, 0))
+    probe = shm.client_probe()
+    left = set(os.listdir(shm.SHM_DIR))
+    assert not left & set(names["gone"])
+    assert set(names["kept"]) <= left and os.path.basename(probe["path"]) in left

@@ -193,7 +193,8 @@ class CaptureWorkerExtension:
         reply = {**tp_rank_and_size(), "layers": {str(k): v for k, v in data.items()}}
         t0 = time.perf_counter()
         # Rows go through shared memory only when this worker can read the client's probe file.
-        reply = shm.write_reply(reply, shared=shm.worker_sees(shm_probe))
+        reply = shm.write_reply(reply, shared=shm.worker_sees(shm_probe),
+                                owner=shm.client_pid(shm_probe))
         session.add_host_time("fetch_write", time.perf_counter() - t0)
         return reply
 

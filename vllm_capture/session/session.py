@@ -143,11 +143,12 @@ class CaptureSession:
         self._eager_forwards = 0
         # Host time the step path spends in capture code (begin/end of a step, finished requests).
         # "harvest" is the harvest thread's (off the step path, but it shares the GIL). The fetch_*
-        # stages are a fetch's, in the worker: reductions still open, storing what is drained,
-        # planning the rows (serialize) and copying them out (write, timed by the caller).
+        # stages are a fetch's, in the worker: reductions still open, enqueueing the copy of the
+        # rings' pending rows, waiting for the harvest thread to store everything, planning the
+        # rows (serialize) and copying them out (write, timed by the caller).
         self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
-                        "fetch_finalize": 0.0, "fetch_wait": 0.0, "fetch_serialize": 0.0,
-                        "fetch_write": 0.0}
+                        "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
+                        "fetch_serialize": 0.0, "fetch_write": 0.0}
         self._host_steps = 0
         self._queue: queue.Queue = queue.Queue()
         self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
@@ -223,6 +224,8 @@ class CaptureSession:
             self._finalize(st, [r for r in list(st.slots)
                                 if req_ids is None or _matches_any(r, req_ids)])
         t1 = time.perf_counter()
+        self._drain_all()  # timed apart from the harvest it feeds
+        t_drain = time.perf_counter()
         self._wait_harvest()
         t2 = time.perf_counter()
         # Serialize and remove under one store lock: rows the harvest thread appends meanwhile
@@ -230,7 +233,8 @@ class CaptureSession:
         result = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear,
                                     raw_data=raw_data)
         self._host_s["fetch_finalize"] += t1 - t0
-        self._host_s["fetch_wait"] += t2 - t1
+        self._host_s["fetch_drain"] += t_drain - t1
+        self._host_s["fetch_wait"] += t2 - t_drain
         self._host_s["fetch_serialize"] += time.perf_counter() - t2
         for layer, info in result.items():
             layout = self._layouts.get(stream, {}).get(layer)

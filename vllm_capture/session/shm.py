@@ -34,9 +34,9 @@ file claims it by renaming it back (atomic, so two workers never share one) and 
 that already exist. The client deletes the files it pooled when it exits.
 
 A client killed (or ended with ``os._exit``) while holding fetched rows, or with files pooled,
-leaves them behind
-(``/dev/shm/vllm-capture-rows-*``, ``vllm-capture-free-*``; safe to delete when no capture
-client runs).
+leaves them behind (``/dev/shm/vllm-capture-rows-<pid>-*``, ``vllm-capture-free-<pid>-*``, its
+probe). The next client to fetch on the host deletes the files of clients that are gone, once
+they are a minute old.
 
 Payload contract: a layer entry's ``"data"`` is replaced by ``"shm_offset"`` and ``"shm_nbytes"``
 (ints) and the reply gains ``"shm_path"`` (str); :func:`read_reply` puts a writable view of the
@@ -54,6 +54,7 @@ import mmap
 import os
 import secrets
 import tempfile
+import time
 import weakref
 from typing import Any
 
@@ -71,7 +72,11 @@ WRITE_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaff
 POPULATE_BYTES = 32 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-ROWS, FREE = PREFIX + "rows-", PREFIX + "free-"
+ROWS, FREE, PROBE = PREFIX + "rows-", PREFIX + "free-", PREFIX + "probe-"
+# Files of a client that is gone (killed, or ended with os._exit) are deleted by the next client
+# that starts on this host, once they are this old (a process of another pid namespace sharing
+# /dev/shm may look gone; unlinking a file it already mapped costs it nothing).
+SWEEP_AGE_S = 60.0
 # The pool of files whose pages are kept for the next fetch: at most this many files and bytes
 # (and a quarter of /dev/shm).
 POOL_FILES = 2
@@ -93,13 +98,61 @@ def client_probe() -> dict[str, str] | None:
         return _probe
     if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
         return None
+    _sweep_abandoned()
     nonce = secrets.token_hex(16)
-    fd, path = tempfile.mkstemp(prefix=PREFIX + "probe-", dir=SHM_DIR)
+    # File names carry the pid of the client they serve (probe, rows, pooled files), so that
+    # whatever a client leaves behind can be told from what a live one holds.
+    fd, path = tempfile.mkstemp(prefix=f"{PROBE}{os.getpid()}-", dir=SHM_DIR)
     with os.fdopen(fd, "w") as f:
         f.write(nonce)
     atexit.register(_remove, path)
     _probe = {"path": path, "nonce": nonce}
     return _probe
+
+
+def _sweep_abandoned() -> None:
+    """Delete the probe, rows and pooled files of clients that are gone (``SWEEP_AGE_S``)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        pid = _owner_pid(name)
+        if pid is None or _alive(pid):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if now - os.stat(path).st_mtime < SWEEP_AGE_S:
+                continue
+        except OSError:
+            continue
+        _remove(path)
+
+
+def _owner_pid(name: str) -> int | None:
+    """The client pid a file name carries (``vllm-capture-rows-<pid>-...``), else None."""
+    for prefix in (PROBE, ROWS, FREE):
+        if name.startswith(prefix):
+            pid = name[len(prefix):].split("-", 1)[0]
+            return int(pid) if pid.isdigit() and len(name) > len(prefix) + len(pid) else None
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
+def client_pid(probe: Any) -> int | None:
+    """The pid of the client that wrote ``probe`` (from its file name), for naming its files."""
+    path = probe.get("path") if isinstance(probe, dict) else None
+    return _owner_pid(os.path.basename(path)) if isinstance(path, str) else None
 
 
 def worker_sees(probe: Any) -> bool:
@@ -117,10 +170,12 @@ def worker_sees(probe: Any) -> bool:
         return False
 
 
-def write_reply(reply: dict[str, Any], shared: bool = True) -> dict[str, Any]:
+def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = None
+                ) -> dict[str, Any]:
     """Make a fetch reply msgpack-safe, in place: the layers' rows (``FetchedRows``, from
-    ``StreamStore.serialize(raw_data=True)``) are copied once, into one shared-memory file, when
-    ``shared`` and there is room; into bytes otherwise."""
+    ``StreamStore.serialize(raw_data=True)``) are copied once, into one shared-memory file named
+    for the client ``owner`` (its pid, :func:`client_pid`), when ``shared`` and there is room;
+    into bytes otherwise."""
     layers = list((reply.get("layers") or {}).values())
     sizes = [info["data"].nbytes for info in layers]
     # Each layer starts on a cache line, so its rows are aligned for any wire dtype.
@@ -130,7 +185,8 @@ def write_reply(reply: dict[str, Any], shared: bool = True) -> dict[str, Any]:
     total = offsets[-1] + sizes[-1] if sizes else 0
     path = None
     if shared and total:
-        path = _write_file([info["data"] for info in layers], offsets, total)
+        path = _write_file([info["data"] for info in layers], offsets, total,
+                           f"{ROWS}{owner}-" if owner else ROWS)
     if path is None:
         for info in layers:
             info["data"] = info["data"].tobytes()
@@ -142,10 +198,11 @@ def write_reply(reply: dict[str, Any], shared: bool = True) -> dict[str, Any]:
     return reply
 
 
-def _write_file(blocks: list, offsets: list[int], total: int) -> str | None:
-    """A file of at least ``total`` bytes (a pooled one, else a new one) with each block's rows
-    copied in at its offset, through one mapping; None (and no file) when there is not room."""
-    path = _claim_pooled(total)
+def _write_file(blocks: list, offsets: list[int], total: int, prefix: str) -> str | None:
+    """A file named ``prefix*``, of at least ``total`` bytes (a pooled one, else a new one), with
+    each block's rows copied in at its offset, through one mapping; None (and no file) when there
+    is not room."""
+    path = _claim_pooled(total, prefix)
     if path is not None:
         try:
             fd = os.open(path, os.O_RDWR)
@@ -156,7 +213,7 @@ def _write_file(blocks: list, offsets: list[int], total: int) -> str | None:
             st = os.statvfs(SHM_DIR)
             if st.f_bavail * st.f_frsize < FREE_SPACE_FACTOR * total:
                 return None
-            fd, path = tempfile.mkstemp(prefix=ROWS, dir=SHM_DIR)
+            fd, path = tempfile.mkstemp(prefix=prefix, dir=SHM_DIR)
         except OSError:
             return None
     threads = max(1, min(WRITE_THREADS, total // POPULATE_BYTES))
@@ -235,8 +292,8 @@ def _populate_range(address: int, length: int) -> int:
     return ctypes.get_errno()
 
 
-def _claim_pooled(total: int) -> str | None:
-    """Take the smallest pooled file that holds ``total`` bytes (renamed to a rows file), or None."""
+def _claim_pooled(total: int, prefix: str) -> str | None:
+    """Take the smallest pooled file that holds ``total`` bytes (renamed to ``prefix*``), or None."""
     try:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith(FREE)]
     except OSError:
@@ -250,7 +307,7 @@ def _claim_pooled(total: int) -> str | None:
         if total <= size <= POOL_SLACK * total + POOL_SLACK_BYTES:
             fitting.append((size, name))
     for _, name in sorted(fitting):
-        claimed = os.path.join(SHM_DIR, ROWS + secrets.token_hex(8))
+        claimed = os.path.join(SHM_DIR, prefix + secrets.token_hex(8))
         try:
             os.rename(os.path.join(SHM_DIR, name), claimed)
         except OSError:
@@ -287,7 +344,7 @@ def _release(path: str, size: int) -> None:
             _, oldest, oldest_size = pooled.pop(0)
             _remove(oldest)
             held -= oldest_size
-        free = os.path.join(SHM_DIR, FREE + secrets.token_hex(8))
+        free = os.path.join(SHM_DIR, f"{FREE}{os.getpid()}-{secrets.token_hex(8)}")
         os.rename(path, free)
         os.utime(free)  # released now: the last to be evicted
         _pooled.add(free)
