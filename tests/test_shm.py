@@ -47,7 +47,10 @@ def shm_dir(monkeypatch):
     monkeypatch.setattr(shm, "SHM_DIR", path)
     monkeypatch.setattr(shm, "_pooled", set())
     monkeypatch.setattr(shm, "_probe", None)  # a probe made earlier lives in the real /dev/shm
+    monkeypatch.setattr(shm, "_kept", {})
     yield path
+    for mapped in shm._kept.values():
+        shm._close(mapped)
     gc.collect()  # release mappings before the directory goes
     shutil.rmtree(path, ignore_errors=True)
 
@@ -382,6 +385,36 @@ def test_a_released_file_carries_the_next_fetch():
     got, path = _fetch(_store(seed=2))
     assert _inode(path) == inode and not _pool()  # claimed: no new file, no new pages
     _assert_same(got, want)
+
+
+def test_a_file_back_from_the_pool_is_written_through_the_workers_kept_mapping(monkeypatch):
+    populated = []
+    real = shm._populate_range
+    monkeypatch.setattr(shm, "_populate_range",
+                        lambda address, length: populated.append(length) or real(address, length))
+    first, path = _fetch(_store(seed=1))
+    inode = _inode(path)
+    assert populated and len(shm._kept) == 1
+    del first
+    gc.collect()
+    populated.clear()
+    want = deserialize_captured(shm.write_reply(_reply(_store(seed=2)), shared=False)["layers"])
+    got, again = _fetch(_store(seed=2))
+    assert _inode(again) == inode and not populated  # no page populated twice
+    _assert_same(got, want)
+
+
+def test_the_worker_lets_go_of_mappings_of_files_that_are_gone(monkeypatch):
+    held = [_fetch(_store(seed=seed)) for seed in range(2)]
+    assert len(shm._kept) == 2
+    os.unlink(held[0][1])  # the client deleted it (pool full, or its exit)
+    third = _fetch(_store(seed=3))
+    inodes = {_inode(path) for _, path in held[1:] + [third]}
+    assert set(shm._kept) == {(os.stat(shm.SHM_DIR).st_dev, i) for i in inodes}
+    monkeypatch.setattr(shm, "KEEP_MAPPINGS", 1)
+    fourth = _fetch(_store(seed=4))
+    assert list(shm._kept) == [(os.stat(shm.SHM_DIR).st_dev, _inode(fourth[1]))]
+    del held, third, fourth
 
 
 def test_a_file_is_never_reused_while_its_tensors_live():

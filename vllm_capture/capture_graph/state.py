@@ -81,6 +81,8 @@ class StreamPlanBuffers:
     offset: int = 0
     pending_start: int = 0
     copies: list = field(default_factory=list)
+    # Bytes one ring row takes across the enabled sites, labels included (set by set_enabled).
+    row_bytes: int = 0
 
     @property
     def pending_rows(self) -> int:
@@ -222,6 +224,9 @@ class CaptureGraphState:
         for group in self.groups.get(component, ()):
             group.enabled = [i for i, site in enumerate(group.sites) if site.enabled]
             group.enabled_index = torch.tensor(group.enabled, dtype=torch.long, device=self.device)
+        if buf is not None:
+            buf.row_bytes = sum(len(g.enabled) * g.ring.shape[2] * g.ring.element_size()
+                                for g in self.groups.get(component, ())) + 4 * L.LABEL_FIELDS
 
     # ---- per step ------------------------------------------------------------------------------
 
@@ -235,11 +240,7 @@ class CaptureGraphState:
         rows = buf.pending_rows
         if rows == 0:
             return False
-        if 2 * rows >= self.ring_rows:
-            return True
-        row_bytes = sum(len(g.enabled) * g.ring.shape[2] * g.ring.element_size()
-                        for g in self.groups.get(component, ())) + 4 * L.LABEL_FIELDS
-        return rows * row_bytes >= self.drain_bytes
+        return 2 * rows >= self.ring_rows or rows * buf.row_bytes >= self.drain_bytes
 
     def upload_rows(self, component: str, rows: np.ndarray, req_index: np.ndarray,
                     positions: np.ndarray) -> None:

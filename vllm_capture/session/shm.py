@@ -31,7 +31,11 @@ Files are reused, too. When the last tensor of a fetch is freed, the client rena
 ``vllm-capture-free-*``, into a pool of at most ``POOL_FILES`` files and ``POOL_BYTES``: the least
 recently released files make room, or are deleted. A worker's next reply that fits in a pooled
 file claims it by renaming it back (atomic, so two workers never share one) and writes into pages
-that already exist. The client deletes the files it pooled when it exits.
+that already exist. The client deletes the files it pooled when it exits. The worker keeps its
+mapping of each file it wrote (at most ``KEEP_MAPPINGS``), so a file back from the pool is written
+through page tables that already exist, without populating it again (2.6-3x faster on the CPU VM
+for 629 MB). A kept mapping holds its pages after the file is deleted, until the worker's next
+reply, which closes the mappings of files that are gone.
 
 A client killed (or ended with ``os._exit``) while holding fetched rows, or with files pooled,
 leaves them behind (``/dev/shm/vllm-capture-rows-<pid>-*``, ``vllm-capture-free-<pid>-*``, its
@@ -85,6 +89,10 @@ POOL_BYTES = 4 << 30
 # so a small fetch does not hold a large file out of the pool.
 POOL_SLACK = 4
 POOL_SLACK_BYTES = 64 << 20
+
+# Worker side: mappings of the reply files this process wrote, by (st_dev, st_ino), oldest first.
+KEEP_MAPPINGS = POOL_FILES + 2
+_kept: dict[tuple[int, int], mmap.mmap] = {}
 
 _probe: dict[str, str] | None = None
 _pooled: set[str] = set()  # files this client put in the pool, deleted at exit
@@ -218,20 +226,26 @@ def _write_file(blocks: list, offsets: list[int], total: int, prefix: str) -> st
             return None
     threads = max(1, min(WRITE_THREADS, total // POPULATE_BYTES))
     pool = concurrent.futures.ThreadPoolExecutor(threads, "vllm-capture-shm") if threads > 1 else None
+    key = None
     try:
         try:
-            mapped = _map_populated(fd, total, pool, threads)
+            info = os.fstat(fd)
+            key = (info.st_dev, info.st_ino)
+            mapped = _kept.pop(key, None)
+            if mapped is None or len(mapped) < total:
+                _close(mapped)
+                # The whole file: a pooled file larger than this reply may carry a larger one.
+                mapped = _map_populated(fd, max(total, info.st_size), pool, threads)
         finally:
             os.close(fd)
         try:
             _each(pool, lambda block, offset: block.copy_into(
                 memoryview(mapped)[offset: offset + block.nbytes]),
                 [(b, o) for b, o in zip(blocks, offsets) if b.nbytes])
-        finally:
-            try:
-                mapped.close()
-            except BufferError:  # a view still held by an exception's traceback
-                pass
+        except BaseException:
+            _close(mapped)
+            raise
+        _keep(key, mapped)
     except OSError:
         _remove(path)
         return None
@@ -242,6 +256,37 @@ def _write_file(blocks: list, offsets: list[int], total: int, prefix: str) -> st
         if pool is not None:
             pool.shutdown()
     return path
+
+
+def _keep(key: tuple[int, int], mapped: mmap.mmap) -> None:
+    """Keep the mapping of a file this worker wrote, for when the file comes back from the pool:
+    writing through existing page tables skips populating them again. Mappings of files that no
+    longer exist are closed here (their pages are freed then), and at most ``KEEP_MAPPINGS``."""
+    try:
+        live = set()
+        for name in os.listdir(SHM_DIR):
+            if name.startswith((ROWS, FREE)):
+                try:
+                    info = os.stat(os.path.join(SHM_DIR, name))
+                except OSError:
+                    continue
+                live.add((info.st_dev, info.st_ino))
+    except OSError:
+        live = set()
+    _kept[key] = mapped
+    for old in [k for k in _kept if k not in live]:
+        _close(_kept.pop(old))
+    while len(_kept) > KEEP_MAPPINGS:
+        _close(_kept.pop(next(iter(_kept))))
+
+
+def _close(mapped: mmap.mmap | None) -> None:
+    if mapped is None:
+        return
+    try:
+        mapped.close()
+    except BufferError:  # a view still held by an exception's traceback
+        pass
 
 
 def _each(pool: concurrent.futures.Executor | None, fn, items: list[tuple]) -> list:
