@@ -78,7 +78,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 ROWS, FREE, PROBE = PREFIX + "rows-", PREFIX + "free-", PREFIX + "probe-"
 # Files of a client that is gone (killed, or ended with os._exit) are deleted by the next client
-# that starts on this host, once they are this old (a process of another pid namespace sharing
+# to fetch on this host, once they are this old (a process of another pid namespace sharing
 # /dev/shm may look gone; unlinking a file it already mapped costs it nothing).
 SWEEP_AGE_S = 60.0
 # The pool of files whose pages are kept for the next fetch: at most this many files and bytes
