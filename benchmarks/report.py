@@ -74,6 +74,8 @@ def aggregate(reps: list[dict]) -> dict:
         "host_ms_per_step": _median(per_rep(lambda r: _per_step(
             r, "host_begin_step_ms", "host_end_step_ms", "host_finish_requests_ms"))),
         "harvest_ms_per_step": _median(per_rep(lambda r: _per_step(r, "host_harvest_ms"))),
+        # Of the harvest thread's time, what it spent waiting for device-to-host copies.
+        "harvest_sync_ms_per_step": _median(per_rep(lambda r: _per_step(r, "host_harvest_sync_ms"))),
         # Where a fetch's time goes in the worker (rank 0), in ms: the rest of fetch_s is the RPC
         # and the client's decode.
         **{f"fetch_{stage}_ms": _median(per_rep(lambda r, k=f"host_fetch_{stage}_ms": r.get(k)))
@@ -239,7 +241,7 @@ def markdown(report: dict) -> str:
         lines.append("")
         lines.append("| scenario | engine | tok/s | ratio | best ratio | tok/s e2e | ratio e2e | vs idle (e2e) | fetch s "
                      "| fetch in worker ms (finalize/drain/wait/serialize/write) "
-                     "| rows/s | GB/s | B/token | rows (expected) | dropped | host ms/step (harvest) "
+                     "| rows/s | GB/s | B/token | rows (expected) | dropped | host ms/step (harvest; its copy waits) "
                      "| client peak RSS GiB | engine peak RSS GiB |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, a in rows.items():
@@ -255,7 +257,8 @@ def markdown(report: dict) -> str:
                 f"| {'/'.join(_f(a.get(f'fetch_{k}_ms'), '{:.0f}') for k in FETCH_STAGES)} "
                 f"| {_f(a['rows_s'], '{:.3g}')} | {_f(a['gbps'], '{:.2f}')} | {_f(a['bytes_per_token'], '{:.0f}')} "
                 f"| {rows_txt} | {a['dropped']} "
-                f"| {_f(a.get('host_ms_per_step'), '{:.3f}')} ({_f(a.get('harvest_ms_per_step'), '{:.3f}')}) "
+                f"| {_f(a.get('host_ms_per_step'), '{:.3f}')} ({_f(a.get('harvest_ms_per_step'), '{:.3f}')}"
+                f"; {_f(a.get('harvest_sync_ms_per_step'), '{:.3f}')}) "
                 f"| {_f(a['client_peak_rss'], '{:.2f}', GIB)} "
                 f"| {_f(a['engine_peak_rss'], '{:.2f}', GIB)} |")
     lines.append("")

@@ -142,11 +142,13 @@ class CaptureSession:
         self._step_executions_baseline: int | None = None
         self._eager_forwards = 0
         # Host time the step path spends in capture code (begin/end of a step, finished requests).
-        # "harvest" is the harvest thread's (off the step path, but it shares the GIL). The fetch_*
+        # "harvest" is the harvest thread's (off the step path, but it shares the GIL), of which
+        # "harvest_sync" waited for device-to-host copies to finish. The fetch_*
         # stages are a fetch's, in the worker: reductions still open, enqueueing the copy of the
         # rings' pending rows, waiting for the harvest thread to store everything, planning the
         # rows (serialize) and copying them out (write, timed by the caller).
         self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
+                        "harvest_sync": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
                         "fetch_serialize": 0.0, "fetch_write": 0.0}
         self._host_steps = 0
@@ -561,13 +563,18 @@ class CaptureSession:
             if stop:
                 return
 
+    def _wait_copy(self, rows) -> None:
+        """Wait for a drain's device-to-host copy (harvest thread); counted as ``harvest_sync``."""
+        t0 = time.perf_counter()
+        rows.wait()
+        self._host_s["harvest_sync"] += time.perf_counter() - t0
+
     def _stop_harvest(self) -> None:
         if self._harvester.is_alive():
             self._queue.put(_Stop())
             self._harvester.join(timeout=10)
 
-    @classmethod
-    def _store_batch(cls, batch: list) -> None:
+    def _store_batch(self, batch: list) -> None:
         """Store a batch of queue items: drained rows first (one append per stream and layer
         set, rows in queue order), then reductions, then finished requests. Finishing a request
         only lets its label index be reused, so it may wait until after later rows; it must not
@@ -575,7 +582,7 @@ class CaptureSession:
         drained: dict[tuple, list] = {}
         for item in batch:
             if isinstance(item, _Drained):
-                tensors, labels = cls._drained_rows(item)
+                tensors, labels = self._drained_rows(item)
                 key = (id(item.stream), tuple(tensors))
                 drained.setdefault(key, []).append((item, tensors, labels))
         for parts in drained.values():
@@ -587,16 +594,15 @@ class CaptureSession:
             item.stream.store.append_layers(tensors, labels, item.rows.layer_names)
         for item in batch:
             if isinstance(item, _Reduced):
-                cls._store_reduced(item)
+                self._store_reduced(item)
         for item in batch:
             if isinstance(item, _Finish):
                 item.store.finish_request(item.req_id)
 
-    @staticmethod
-    def _drained_rows(item: _Drained) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    def _drained_rows(self, item: _Drained) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """``({layer: rows}, labels)`` of one drained step, with conditional rows decided."""
         rows = item.rows
-        rows.wait()
+        self._wait_copy(rows)
         # Every layer of a drain carries the same rows and one labels tensor.
         labels = next(iter(rows.layers.values()))[1]
         tensors = {layer_id: tensor for layer_id, (tensor, _) in rows.layers.items()}
@@ -611,10 +617,9 @@ class CaptureSession:
             tensors = {layer_id: tensor[keep] for layer_id, tensor in tensors.items()}
         return tensors, labels
 
-    @staticmethod
-    def _store_reduced(item: _Reduced) -> None:
+    def _store_reduced(self, item: _Reduced) -> None:
         mean = item.stream.config.reduce == "mean"
-        item.acc.wait()
+        self._wait_copy(item.acc)
         for layer_id, (acc, acc_labels, counts) in item.acc.layers.items():
             values = acc / counts.clamp(min=1).unsqueeze(1).to(acc.dtype) if mean else acc
             values = values.to(item.dtypes[layer_id])
