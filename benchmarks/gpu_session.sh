@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | startup | bench-quick | bench-full | bench-moe   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | fetch | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe)
 set -uo pipefail
 SET=${1:-dense}
@@ -99,6 +99,12 @@ PY
     # engines run one after the other, so one workload with 5 reps fits one 10-minute call.
     python3 benchmarks/run.py --suite full --model moe --engines vanilla-graph,capture-graph \
       --workloads decode-c64 --reps 5 --budget-s 480 --grace-s 60 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 40
+    ;;
+  bench-moe-eager)
+    # The MoE captures with enforce_eager=True (eager-router-all is only here), against vanilla
+    # with graphs in the same run: what an eager-only tool pays for router logits.
+    python3 benchmarks/run.py --suite full --model moe --engines vanilla-graph,capture-eager \
+      --workloads decode-c64 --reps 2 --budget-s 480 --grace-s 60 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 30
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi
