@@ -226,9 +226,9 @@ class CaptureSession:
             self._finalize(st, [r for r in list(st.slots)
                                 if req_ids is None or _matches_any(r, req_ids)])
         t1 = time.perf_counter()
-        self._drain_all()  # timed apart from the harvest it feeds
+        self._drain_all()
         t_drain = time.perf_counter()
-        self._wait_harvest()
+        self._await_harvest()
         t2 = time.perf_counter()
         # Serialize and remove under one store lock: rows the harvest thread appends meanwhile
         # stay for the next fetch instead of being cleared unseen.
@@ -523,9 +523,13 @@ class CaptureSession:
 
     def _wait_harvest(self) -> None:
         """Store every row captured so far: drain the device rings, then wait for the harvest."""
+        self._drain_all()
+        self._await_harvest()
+
+    def _await_harvest(self) -> None:
+        """Wait until the harvest thread has stored everything queued so far."""
         if not self._harvester.is_alive():
             raise RuntimeError("capture session is shut down (the interpreter is exiting)")
-        self._drain_all()
         self._queue.put(_Flush())
         self._queue.join()
         if self._harvest_error is not None:

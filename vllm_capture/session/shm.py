@@ -121,21 +121,29 @@ def client_probe() -> dict[str, str] | None:
 def _sweep_abandoned() -> None:
     """Delete the probe, rows and pooled files of clients that are gone (``SWEEP_AGE_S``)."""
     try:
-        names = os.listdir(SHM_DIR)
+        files = _files(PROBE, ROWS, FREE)
     except OSError:
         return
     now = time.time()
-    for name in names:
-        pid = _owner_pid(name)
-        if pid is None or _alive(pid):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if now - os.stat(path).st_mtime < SWEEP_AGE_S:
+    for path, info in files:
+        pid = _owner_pid(os.path.basename(path))
+        if pid is not None and not _alive(pid) and now - info.st_mtime >= SWEEP_AGE_S:
+            _remove(path)
+
+
+def _files(*prefixes: str) -> list[tuple[str, os.stat_result]]:
+    """``(path, stat)`` of the files in ``SHM_DIR`` named ``prefix*`` for one of ``prefixes``
+    (files that vanish meanwhile, claimed or deleted by another process, are left out); OSError
+    when the directory cannot be listed."""
+    found = []
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(prefixes):
+            path = os.path.join(SHM_DIR, name)
+            try:
+                found.append((path, os.stat(path)))
+            except OSError:
                 continue
-        except OSError:
-            continue
-        _remove(path)
+    return found
 
 
 def _owner_pid(name: str) -> int | None:
@@ -263,14 +271,7 @@ def _keep(key: tuple[int, int], mapped: mmap.mmap) -> None:
     writing through existing page tables skips populating them again. Mappings of files that no
     longer exist are closed here (their pages are freed then), and at most ``KEEP_MAPPINGS``."""
     try:
-        live = set()
-        for name in os.listdir(SHM_DIR):
-            if name.startswith((ROWS, FREE)):
-                try:
-                    info = os.stat(os.path.join(SHM_DIR, name))
-                except OSError:
-                    continue
-                live.add((info.st_dev, info.st_ino))
+        live = {(info.st_dev, info.st_ino) for _, info in _files(ROWS, FREE)}
     except OSError:
         live = set()
     _kept[key] = mapped
@@ -340,21 +341,15 @@ def _populate_range(address: int, length: int) -> int:
 def _claim_pooled(total: int, prefix: str) -> str | None:
     """Take the smallest pooled file that holds ``total`` bytes (renamed to ``prefix*``), or None."""
     try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(FREE)]
+        pooled = _files(FREE)
     except OSError:
         return None
-    fitting = []
-    for name in names:
-        try:
-            size = os.stat(os.path.join(SHM_DIR, name)).st_size
-        except OSError:
-            continue
-        if total <= size <= POOL_SLACK * total + POOL_SLACK_BYTES:
-            fitting.append((size, name))
-    for _, name in sorted(fitting):
+    fitting = sorted((info.st_size, path) for path, info in pooled
+                     if total <= info.st_size <= POOL_SLACK * total + POOL_SLACK_BYTES)
+    for _, path in fitting:
         claimed = os.path.join(SHM_DIR, prefix + secrets.token_hex(8))
         try:
-            os.rename(os.path.join(SHM_DIR, name), claimed)
+            os.rename(path, claimed)
         except OSError:
             continue  # another worker took it
         return claimed
@@ -375,15 +370,7 @@ def _release(path: str, size: int) -> None:
         if size > cap or POOL_FILES < 1:
             _remove(path)
             return
-        pooled = []
-        for name in os.listdir(SHM_DIR):
-            if name.startswith(FREE):
-                try:
-                    info = os.stat(os.path.join(SHM_DIR, name))
-                except OSError:
-                    continue  # claimed meanwhile
-                pooled.append((info.st_mtime, os.path.join(SHM_DIR, name), info.st_size))
-        pooled.sort()
+        pooled = sorted((info.st_mtime, path, info.st_size) for path, info in _files(FREE))
         held = sum(p[2] for p in pooled)
         while pooled and (len(pooled) >= POOL_FILES or held + size > cap):
             _, oldest, oldest_size = pooled.pop(0)
