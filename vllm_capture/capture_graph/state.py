@@ -378,12 +378,14 @@ class CaptureGraphState:
             group.acc_count.index_fill_(1, idx, 0)
             group.acc_labels.index_fill_(1, idx, 0)
 
-    def read_acc_slots(self, component: str, slots: list[int]) -> DrainedRows:
-        """Enqueue copies of the accumulators of ``slots`` to host memory, without waiting.
+    def read_acc_slots(self, component: str, slots: list[int], mean: bool) -> DrainedRows:
+        """Enqueue copies of the reductions in ``slots`` to host memory, without waiting.
 
-        ``layers`` maps layer -> (acc fp32 [n, W], labels int32 [n, 3], counts int32 [n]). The
-        gather (one per ring group, every enabled layer at once) runs on the main stream, ahead
-        of any later reset or reuse of those slots.
+        ``layers`` maps layer -> (rows [n, W] in the site's dtype, labels int32 [n, 3], counts
+        int32 [n]): the fp32 accumulator as it is (``last``) or divided by its count (``mean``),
+        then cast on the device, so the copy carries storage bytes and the host converts nothing
+        (a worker's torch runs on one CPU thread). The gather (one per ring group, every enabled
+        layer at once) runs on the main stream, ahead of any later reset or reuse of those slots.
         """
         idx = self._device_index(slots)
         cuda = self.device.type == "cuda"
@@ -391,9 +393,12 @@ class CaptureGraphState:
         for group in self.groups.get(component, ()):
             if not group.enabled:
                 continue
-            picked = (group.acc.index_select(0, group.enabled_index).index_select(1, idx),
-                      group.acc_labels[group.enabled[0]].index_select(0, idx),
-                      group.acc_count.index_select(0, group.enabled_index).index_select(1, idx))
+            acc = group.acc.index_select(0, group.enabled_index).index_select(1, idx)
+            counts = group.acc_count.index_select(0, group.enabled_index).index_select(1, idx)
+            if mean:
+                acc = acc / counts.clamp(min=1).unsqueeze(2).to(acc.dtype)
+            picked = (acc.to(group.ring.dtype), group.acc_labels[group.enabled[0]].index_select(0, idx),
+                      counts)
             gathered.append((group, picked))
         event = None
         if cuda:
@@ -407,10 +412,10 @@ class CaptureGraphState:
                     # The gathered temporaries must outlive the copies that read them.
                     for t in picked:
                         t.record_stream(self._copy_stream)
-                acc, labels, counts = (_to_host(t, cuda) for t in picked)
+                rows, labels, counts = (_to_host(t, cuda) for t in picked)
                 for k, i in enumerate(group.enabled):
                     site = group.sites[i]
-                    layers[site.layer_id] = (acc[k], labels, counts[k])
+                    layers[site.layer_id] = (rows[k], labels, counts[k])
                     names[site.layer_id] = site.layer_name
             if cuda:
                 event = torch.cuda.Event()

@@ -108,8 +108,7 @@ class _Reduced:
     req_ids: list[str]
     req_index: list[int]
     positions: list[int]
-    acc: Any  # DrainedRows: layer_id -> (acc, labels, counts)
-    dtypes: dict[int, torch.dtype]
+    acc: Any  # DrainedRows: layer_id -> (reduced rows, labels, counts)
 
 
 @dataclass
@@ -505,12 +504,11 @@ class CaptureSession:
             return
         st.repeat = None
         slots = [st.slots[r] for r in req_ids]
-        drained = self.graph_state.read_acc_slots(st.component, slots)
+        drained = self.graph_state.read_acc_slots(st.component, slots, st.config.reduce == "mean")
         positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
                      else [-1] * len(slots))
-        dtypes = {s.layer_id: s.dtype for s in self.graph_state.sites_of(st.component)}
         self._queue.put(_Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
-                                 drained, dtypes))
+                                 drained))
         for r, slot in zip(req_ids, slots):
             del st.slots[r]
             st.free_slots.append(slot)
@@ -624,12 +622,12 @@ class CaptureSession:
     def _store_reduced(self, item: _Reduced) -> None:
         mean = item.stream.config.reduce == "mean"
         self._wait_copy(item.acc)
-        for layer_id, (acc, acc_labels, counts) in item.acc.layers.items():
-            values = acc / counts.clamp(min=1).unsqueeze(1).to(acc.dtype) if mean else acc
-            values = values.to(item.dtypes[layer_id])
+        req_index = torch.tensor(item.req_index, dtype=torch.int32)
+        positions = torch.tensor(item.positions, dtype=torch.int32)
+        for layer_id, (values, acc_labels, counts) in item.acc.layers.items():
             meta = torch.empty((len(item.req_ids), 3), dtype=torch.int32)
-            meta[:, 0] = torch.tensor(item.req_index, dtype=torch.int32)
-            meta[:, 1] = torch.tensor(item.positions, dtype=torch.int32)
+            meta[:, 0] = req_index
+            meta[:, 1] = positions
             meta[:, 2] = -1 if mean else acc_labels[:, 2]
             empty = counts == 0
             if bool(empty.any()):
