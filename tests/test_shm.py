@@ -52,6 +52,7 @@ def shm_dir(monkeypatch):
     for mapped in shm._kept.values():
         shm._close(mapped)
     gc.collect()  # release mappings before the directory goes
+    shm.settle()
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -440,10 +441,34 @@ def test_the_pool_keeps_at_most_pool_files_and_pool_bytes(monkeypatch):
     monkeypatch.setattr(shm, "POOL_FILES", 4)
     monkeypatch.setattr(shm, "POOL_BYTES", 1)
     got, path = _fetch(_store())  # takes the pooled file
-    assert not _pool()
+    assert not _pool() and not shm._kept  # never back from the pool: the worker let it go
     del got
     gc.collect()
+    shm.settle()
     assert not _pool() and not os.path.exists(path)  # over the byte cap: deleted
+
+
+def test_pages_are_freed_on_a_thread_of_their_own_not_in_a_fetch_or_a_del(monkeypatch):
+    """Closing the last mapping of a deleted file frees its pages (0.19 s for 4.8 GB in a 16 MB
+    fetch on the H200): the worker's stale mappings and the client's oversized files go on a
+    reaping thread."""
+    closed, removed = [], []
+    real_close, real_remove = shm._close, shm._remove
+    monkeypatch.setattr(shm, "_close", lambda m: closed.append(
+        threading.current_thread().name) or real_close(m))
+    monkeypatch.setattr(shm, "_remove", lambda p: removed.append(
+        (p, threading.current_thread().name)) or real_remove(p))
+    first, first_path = _fetch(_store(seed=1))
+    os.unlink(first_path)  # the client deleted it: the worker's mapping now holds its pages
+    second, second_path = _fetch(_store(seed=2))
+    shm.settle()
+    assert closed == ["vllm-capture-reap"]
+    monkeypatch.setattr(shm, "POOL_BYTES", 1)
+    del second
+    gc.collect()
+    shm.settle()
+    assert removed == [(second_path, "vllm-capture-reap")] and not os.path.exists(second_path)
+    del first
 
 
 def test_a_large_release_evicts_the_oldest_small_pooled_files_and_carries_the_next_large_fetch(
