@@ -81,10 +81,10 @@ PY
     ;;
   fetch)
     # The fetch path alone (no engine, no GPU): one writer thread vs the default, fresh vs pooled
-    # /dev/shm files, a 16-layer hidden-state shape and a 48-layer router-logit shape drained 82
-    # steps at a time.
+    # /dev/shm files vs the spare populated while rows arrive, a 16-layer hidden-state shape and a
+    # 48-layer router-logit shape drained 82 steps at a time.
     (uname -r; nproc; cat /sys/kernel/mm/transparent_hugepage/shmem_enabled; df -h /dev/shm) | tee "$OUT/fetch_path.txt"
-    for args in "--write-threads 1 --fresh" "--fresh" "--write-threads 1" ""; do
+    for args in "--write-threads 1 --fresh" "--fresh" "" "--spare"; do
       python3 benchmarks/fetch_path.py --runs 3 $args 2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
     done
     python3 benchmarks/fetch_path.py --layers 48 --width 128 --steps 287 --steps-per-drain 82 --runs 3 \

@@ -8,6 +8,7 @@ weights, every label against the request's own tokens.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -428,6 +429,39 @@ def test_fetch_through_rpc_bytes_equals_fetch_through_shared_memory(llm, monkeyp
             assert torch.equal(via_rpc[1][layer].positions, via_shm[1][layer].positions)
     finally:
         stop_capture(llm)
+
+
+def test_a_later_fetch_comes_in_the_spare_the_worker_filled_while_its_rows_arrived(llm, monkeypatch):
+    from vllm_capture.session import shm
+
+    paths = []
+    read_reply = shm.read_reply
+    monkeypatch.setattr(shm, "read_reply", lambda r: paths.append(r.get("shm_path")) or read_reply(r))
+
+    def generate_and_list(seed):
+        llm.generate([tokens_prompt(p) for p in _prompts(seed, [9, 40])],
+                     _sampling(max_tokens=3, skip_reading_prefix_cache=True), use_tqdm=False)
+        capture_status(llm)  # the harvest has stored the rows, and reported them
+        return {path for path, _ in shm._files(f"{shm.ROWS}{os.getpid()}-")}
+
+    start_capture(llm)
+    try:
+        generate_and_list(812)
+        first = fetch_captured(llm)  # held: its file stays out of the pool
+        for path, _ in shm._files(shm.FREE):
+            os.unlink(path)  # no pooled file can serve the next fetch
+        before = generate_and_list(813)
+        second = fetch_captured(llm)
+        assert paths[1] in before and paths[1] != paths[0], "the reply came in the spare"
+        assert sorted(second[0]) == sorted(first[0]) == list(range(NUM_LAYERS))
+        spares = generate_and_list(814) - set(paths)
+        assert len(spares) == 1, "the next rows have a spare of their own"
+    finally:
+        stop_capture(llm)
+    deadline = time.monotonic() + 10  # the worker deletes it on a thread of its own
+    while any(os.path.exists(p) for p in spares) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(p) for p in spares), "stopping the last stream deletes the spare"
 
 
 def test_fetch_by_layer_and_request(llm):

@@ -836,6 +836,22 @@ def test_reduce_last_and_mean_example():
         assert engine.session.stream_status(ref.component)["pending_reductions"] == 0
 
 
+def test_on_stored_hears_the_largest_active_streams_bytes_after_each_harvest():
+    """The worker grows its spare reply file (shm.want_spare) from these reports."""
+    engine = Engine()
+    heard = []
+    engine.session.on_stored = heard.append
+    engine.session.enable_stream(HS)
+    engine.session.enable_stream(AH, layers=[0])
+    a = Req(num=0, prompt=[1, 2, 3, 4, 0, 1, 2], gen=[3, 4])
+    engine.step([(a, 4)])
+    engine.step([(a, 3)])
+    engine.session.clear_stream(AH)  # drains and waits for the harvest
+    stores = [engine.session._streams[c].store for c in (HS, AH)]
+    assert heard and heard[-1] == stores[0].bytes_stored > 0 and stores[1].bytes_stored == 0
+    assert heard == sorted(heard)  # rows only arrive
+
+
 @pytest.mark.parametrize("reduce", ["all", "last"])
 def test_a_rank_that_does_not_own_a_replicated_stream_copies_nothing(reduce):
     """Tensor parallelism: rank 1 runs the same steps with hidden states left to rank 0; its

@@ -49,6 +49,7 @@ def shm_dir(monkeypatch):
     monkeypatch.setattr(shm, "_probe", None)  # a probe made earlier lives in the real /dev/shm
     monkeypatch.setattr(shm, "_kept", {})
     yield path
+    shm.drop_spare()
     for mapped in shm._kept.values():
         shm._close(mapped)
     gc.collect()  # release mappings before the directory goes
@@ -518,6 +519,22 @@ def test_at_exit_pooled_files_and_later_releases_are_deleted(monkeypatch):
     assert not _pool() and not os.path.exists(held_path)
 
 
+def test_at_exit_a_worker_deletes_its_spare_and_a_client_the_spares_of_killed_workers(monkeypatch):
+    monkeypatch.setattr(shm, "_exiting", False)
+    shm.want_spare(1 << 20, owner=os.getpid())
+    left = _spare_settled()
+    shm._spare = None  # its worker was killed: only the file is left
+    shm.want_spare(1 << 20, owner=os.getppid())
+    live = _spare_settled()
+    foreign = tempfile.mkstemp(prefix=f"{shm.ROWS}{os.getppid()}-", dir=shm.SHM_DIR)[1]
+    shm._at_exit()
+    shm.settle()
+    assert not os.path.exists(left.path) and not os.path.exists(live.path)
+    assert os.path.exists(foreign)  # another client's rows
+    os.close(left.fd)
+    left.mapped.close()
+
+
 def test_a_pooled_file_another_worker_took_is_skipped(monkeypatch):
     got, _ = _fetch(_store(seed=1))
     del got
@@ -578,3 +595,90 @@ def test_the_files_of_a_gone_client_are_deleted_at_the_next_clients_first_fetch(
     left = set(os.listdir(shm.SHM_DIR))
     assert not left & set(names["gone"])
     assert set(names["kept"]) <= left and os.path.basename(probe["path"]) in left
+
+
+# ---- the spare: a reply file populated while the rows arrive -----------------------------------
+
+def _recording_populate(monkeypatch) -> list[tuple[int, str]]:
+    """``(bytes, thread name)`` of every populate call from now on."""
+    calls, real = [], shm._populate_range
+    monkeypatch.setattr(shm, "_populate_range", lambda address, length: calls.append(
+        (length, threading.current_thread().name)) or real(address, length))
+    return calls
+
+
+def _spare_settled() -> shm._Spare:
+    spare = shm._spare
+    thread = spare.thread
+    if thread is not None:
+        thread.join()
+    return spare
+
+
+def test_the_spare_is_populated_in_the_background_and_carries_the_next_fetch(monkeypatch):
+    """A fetch the pool cannot serve writes into the spare's pages: none populated on its path."""
+    calls = _recording_populate(monkeypatch)
+    store = _store(width=4096, steps=(64,), seed=1)
+    want = deserialize_captured(shm.write_reply(_reply(_store(width=4096, steps=(64,), seed=1)),
+                                                shared=False)["layers"])
+    shm.want_spare(store.bytes_stored, owner=os.getpid())
+    spare = _spare_settled()
+    assert spare.ready >= store.bytes_stored and spare.ready % mmap.PAGESIZE == 0
+    assert calls and {name for _, name in calls} == {"vllm-capture-spare"}
+    assert os.path.basename(spare.path).startswith(f"{shm.ROWS}{os.getpid()}-")
+    calls.clear()
+    reply = shm.write_reply(_reply(store), owner=os.getpid())
+    assert reply["shm_path"] == spare.path and not calls and shm._spare is None
+    assert os.path.getsize(spare.path) == spare.ready  # populated up to its end, like every reply file
+    _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
+
+
+def test_a_fetch_larger_than_the_spare_populates_only_the_rest(monkeypatch):
+    calls = _recording_populate(monkeypatch)
+    shm.want_spare(1 << 20, owner=os.getpid())
+    ready = _spare_settled().ready
+    calls.clear()
+    store = _store(width=4096, steps=(64,), seed=2)
+    want = deserialize_captured(shm.write_reply(_reply(_store(width=4096, steps=(64,), seed=2)),
+                                                shared=False)["layers"])
+    reply = shm.write_reply(_reply(store), owner=os.getpid())
+    total = os.path.getsize(reply["shm_path"])
+    assert total > ready and sum(length for length, _ in calls) == total - ready
+    _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
+
+
+def test_a_fetch_larger_than_the_spares_mapping_maps_the_file_again(monkeypatch):
+    monkeypatch.setattr(shm, "POOL_BYTES", 1 << 20)
+    shm.want_spare(4 << 20, owner=os.getpid())
+    spare = _spare_settled()
+    assert spare.ready == len(spare.mapped) == 1 << 20
+    store = _store(width=4096, steps=(64,), seed=3)
+    want = deserialize_captured(shm.write_reply(_reply(_store(width=4096, steps=(64,), seed=3)),
+                                                shared=False)["layers"])
+    reply = shm.write_reply(_reply(store), owner=os.getpid())
+    assert reply["shm_path"] == spare.path and os.path.getsize(spare.path) > 1 << 20
+    _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
+
+
+def test_a_spare_serves_only_its_client_and_goes_when_capture_stops():
+    other = os.getppid()
+    shm.want_spare(1 << 20, owner=other)
+    spare = _spare_settled()
+    reply = shm.write_reply(_reply(_store()), owner=os.getpid())
+    assert reply["shm_path"] != spare.path and shm._spare is spare  # not this client's
+    shm.read_replies([reply])
+    shm.want_spare(1 << 20, owner=os.getpid())  # a new client: the old spare is deleted
+    shm.settle()
+    assert not os.path.exists(spare.path) and shm._spare.owner == os.getpid()
+    mine = _spare_settled()
+    shm.drop_spare()
+    shm.settle()
+    assert shm._spare is None and not os.path.exists(mine.path)
+
+
+def test_the_spare_stops_growing_where_dev_shm_is_full(monkeypatch):
+    monkeypatch.setattr(shm, "_populate_range", lambda address, length: errno.ENOSPC)
+    shm.want_spare(1 << 20, owner=os.getpid())
+    spare = _spare_settled()
+    assert spare.ready == spare.target == 0 and spare.thread is None
+    assert shm._take_spare(os.getpid()) is None  # nothing populated: a fetch does without it

@@ -181,6 +181,8 @@ class CaptureWorkerExtension:
     def stop_capture(self, stream: str) -> dict:
         session = self._capture_session()
         session.disable_stream(stream)
+        if not session.any_stream_enabled():
+            shm.drop_spare()
         return tp_rank_and_size()
 
     @_tagged_errors
@@ -193,9 +195,11 @@ class CaptureWorkerExtension:
         reply = {**tp_rank_and_size(), "layers": {str(k): v for k, v in data.items()}}
         t0 = time.perf_counter()
         # Rows go through shared memory only when this worker can read the client's probe file.
-        reply = shm.write_reply(reply, shared=shm.worker_sees(shm_probe),
-                                owner=shm.client_pid(shm_probe))
+        shared, owner = shm.worker_sees(shm_probe), shm.client_pid(shm_probe)
+        reply = shm.write_reply(reply, shared=shared, owner=owner)
         session.add_host_time("fetch_write", time.perf_counter() - t0)
+        # This client's next fetch finds its reply file populated while the rows arrived.
+        session.on_stored = functools.partial(shm.want_spare, owner=owner) if shared and owner else None
         return reply
 
     @_tagged_errors

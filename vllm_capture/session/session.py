@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -151,6 +151,9 @@ class CaptureSession:
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
                         "fetch_serialize": 0.0, "fetch_write": 0.0}
         self._host_steps = 0
+        # Told, after the harvest thread stores rows, the most bytes one active stream holds:
+        # about the size of the next fetch (the worker prepares its reply file, shm.want_spare).
+        self.on_stored: Callable[[int], None] | None = None
         self._queue: queue.Queue = queue.Queue()
         self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
                                            daemon=True)
@@ -557,6 +560,8 @@ class CaptureSession:
             finally:
                 self._host_s["harvest"] += time.perf_counter() - t0
                 done = len(batch) + isinstance(item, _Flush)
+                if batch:  # before a fetch waiting on this batch goes on to take the spare
+                    self._report_stored()
                 # Free the batch's tensors before anyone waiting is released: a thread freeing
                 # tensors while the interpreter shuts down aborts the process.
                 batch, batch_bytes, item = [], 0, None
@@ -564,6 +569,15 @@ class CaptureSession:
                     self._queue.task_done()
             if stop:
                 return
+
+    def _report_stored(self) -> None:
+        on_stored = self.on_stored
+        if on_stored is None:
+            return
+        try:
+            on_stored(max((st.store.bytes_stored for st in self._active_streams()), default=0))
+        except Exception:  # a hint: the fetch works without it
+            logger.warning("vllm-capture: on_stored failed", exc_info=True)
 
     def _wait_copy(self, rows) -> None:
         """Wait for a drain's device-to-host copy (harvest thread); counted as ``harvest_sync``."""

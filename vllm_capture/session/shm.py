@@ -40,6 +40,10 @@ are not kept. Freeing pages costs about 0.1-0.2 s per GB, so mappings are closed
 released files deleted, on a thread of their own: never on a fetch's path or in the caller's
 ``del`` (on the H200, a 16 MB fetch took 0.19 s freeing the previous 4.8 GB one).
 
+The spare goes one step further for a fetch the pool cannot serve: while a stream's rows arrive,
+the worker populates a file of about the size its store holds, in the background, and the fetch
+writes into it (see ``want_spare``).
+
 A client killed (or ended with ``os._exit``) while holding fetched rows, or with files pooled,
 leaves them behind (``/dev/shm/vllm-capture-rows-<pid>-*``, ``vllm-capture-free-<pid>-*``, its
 probe). The next client to fetch on the host deletes the files of clients that are gone, once
@@ -99,9 +103,9 @@ KEEP_MAPPINGS = POOL_FILES + 2
 _kept: dict[tuple[int, int], mmap.mmap] = {}
 
 # Freeing a file's pages (its last mapping closed, or the file deleted once unmapped) costs about
-# 0.1-0.2 s per GB, so that work runs on threads of its own (munmap and unlink release the GIL):
+# 0.1-0.2 s per GB, so that work runs on threads of their own (munmap and unlink release the GIL):
 # off the next fetch's path in the worker, and out of the caller's ``del`` in the client.
-_reaping: list[threading.Thread] = []
+REAPER = "vllm-capture-reap"
 
 _probe: dict[str, str] | None = None
 _pooled: set[str] = set()  # files this client put in the pool, deleted at exit
@@ -210,8 +214,7 @@ def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = 
     total = offsets[-1] + sizes[-1] if sizes else 0
     path = None
     if shared and total:
-        path = _write_file([info["data"] for info in layers], offsets, total,
-                           f"{ROWS}{owner}-" if owner else ROWS)
+        path = _write_file([info["data"] for info in layers], offsets, total, owner)
     if path is None:
         for info in layers:
             info["data"] = info["data"].tobytes()
@@ -223,16 +226,22 @@ def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = 
     return reply
 
 
-def _write_file(blocks: list, offsets: list[int], total: int, prefix: str) -> str | None:
-    """A file named ``prefix*``, of at least ``total`` bytes (a pooled one, else a new one), with
-    each block's rows copied in at its offset, through one mapping; None (and no file) when there
-    is not room."""
+def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None) -> str | None:
+    """A file for the client ``owner``, of at least ``total`` bytes (a pooled one, else the
+    spare, else a new one), with each block's rows copied in at its offset, through one mapping;
+    None (and no file) when there is not room."""
+    prefix = f"{ROWS}{owner}-" if owner else ROWS
+    fd, spare = None, None
     path = _claim_pooled(total, prefix)
     if path is not None:
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError:
             path = None
+    if path is None and owner:
+        spare = _take_spare(owner)
+        if spare is not None:
+            path, fd = spare.path, spare.fd
     if path is None:
         try:
             st = os.statvfs(SHM_DIR)
@@ -243,36 +252,167 @@ def _write_file(blocks: list, offsets: list[int], total: int, prefix: str) -> st
             return None
     threads = max(1, min(WRITE_THREADS, total // POPULATE_BYTES))
     pool = concurrent.futures.ThreadPoolExecutor(threads, "vllm-capture-shm") if threads > 1 else None
-    key = None
+    mapped = None
     try:
         try:
             info = os.fstat(fd)
             key = (info.st_dev, info.st_ino)
-            mapped = _kept.pop(key, None)
-            if mapped is None or len(mapped) < total:
-                _reap(maps=[mapped] if mapped is not None else [])
-                # The whole file: a pooled file larger than this reply may carry a larger one.
-                mapped = _map_populated(fd, max(total, info.st_size), pool, threads)
+            if spare is not None and len(spare.mapped) >= total:
+                mapped = spare.mapped
+                _raise_first(_populate(spare.base, spare.ready, total, pool, threads))
+                # Populated up to the file's end, like every reply file (see _Spare).
+                os.ftruncate(fd, max(spare.ready, total))
+            else:
+                if spare is not None:  # a reply larger than the spare's mapping
+                    _reap(maps=[spare.mapped])
+                mapped = _kept.pop(key, None)
+                if mapped is None or len(mapped) < total:
+                    _reap(maps=[mapped] if mapped is not None else [])
+                    mapped = None  # the reaper closes it
+                    # The whole file: a pooled file larger than this reply may carry a larger one.
+                    mapped = _map_populated(fd, max(total, info.st_size), pool, threads)
         finally:
             os.close(fd)
-        try:
-            _each(pool, lambda block, offset: block.copy_into(
-                memoryview(mapped)[offset: offset + block.nbytes]),
-                [(b, o) for b, o in zip(blocks, offsets) if b.nbytes])
-        except BaseException:
-            _close(mapped)
-            raise
+        _each(pool, lambda block, offset: block.copy_into(
+            memoryview(mapped)[offset: offset + block.nbytes]),
+            [(b, o) for b, o in zip(blocks, offsets) if b.nbytes])
         _keep(key, mapped)
-    except OSError:
+    except BaseException as exc:
+        _close(mapped)
         _remove(path)
-        return None
-    except BaseException:
-        _remove(path)
+        if isinstance(exc, OSError):
+            return None
         raise
     finally:
         if pool is not None:
             pool.shutdown()
     return path
+
+
+# ---- the spare: a reply file populated while the rows arrive ----------------------------------
+# Fresh pages are most of a large fetch's cost (about 1 GB/s per thread). While a stream's rows
+# arrive, the worker populates a file of about the size its store holds, on a thread of its own
+# (munmap and madvise release the GIL), so the next fetch the pool cannot serve writes into pages
+# that exist. Its memory is what the fetch would take anyway, taken earlier; at most the pool's
+# cap, and only for a client that fetched through shared memory before.
+SPARE_STEP = 16 << 20  # bytes populated per call: the longest a fetch waits for the thread
+_spare: "_Spare | None" = None
+_spare_lock = threading.Lock()
+
+
+class _Spare:
+    """One spare file, named for its client: sized to the pool's cap but sparse (only populated
+    pages take memory) and mapped once at that size, so growing it never remaps. Pages are
+    populated from the start: ``ready`` bytes so far, growing towards ``target``."""
+
+    def __init__(self, owner: int, cap: int):
+        fd, self.path = tempfile.mkstemp(prefix=f"{ROWS}{owner}-", dir=SHM_DIR)
+        try:
+            os.ftruncate(fd, cap)
+            self.mapped = mmap.mmap(fd, cap, flags=mmap.MAP_SHARED,
+                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _remove(self.path)
+            raise
+        self.fd, self.owner, self.base = fd, owner, _address(self.mapped)
+        self.ready = self.target = 0
+        self.taken = False
+        self.thread: threading.Thread | None = None
+
+    def grow(self) -> None:
+        """The populating thread: ``SPARE_STEP`` at a time, until ``target`` or taken."""
+        while True:
+            with _spare_lock:
+                if self.taken or self.ready >= self.target:
+                    self.thread = None
+                    return
+                start, stop = self.ready, min(self.target, self.ready + SPARE_STEP)
+            error = _populate_range(self.base + start, stop - start)
+            with _spare_lock:
+                if error:  # tmpfs full, or a kernel without MADV_POPULATE_WRITE: no further
+                    self.target = self.ready
+                else:
+                    self.ready = stop
+
+    def discard(self) -> None:
+        with _spare_lock:
+            self.taken = True
+            thread = self.thread
+        if thread is not None:
+            thread.join()
+        os.close(self.fd)
+        _reap(maps=[self.mapped], paths=[self.path])
+
+
+def want_spare(nbytes: int, owner: int) -> None:
+    """The worker's store holds ``nbytes`` for the client ``owner``: grow the spare to a quarter
+    more (within the pool's cap and half the free space of ``/dev/shm``), in the background. A
+    spare of another client is discarded."""
+    global _spare
+    try:
+        cap = _pool_cap()
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return
+    target = min(cap, -(-(nbytes + nbytes // 4) // mmap.PAGESIZE) * mmap.PAGESIZE)
+    with _spare_lock:
+        old = _spare if _spare is not None and _spare.owner != owner else None
+        if old is not None:
+            _spare = None
+        spare = _spare
+    if old is not None:
+        old.discard()
+    if spare is None:
+        if target <= 0:
+            return
+        try:
+            spare = _Spare(owner, cap)
+        except OSError:
+            return
+        with _spare_lock:
+            if _spare is not None:  # another thread made one meanwhile
+                extra, spare = spare, None
+            else:
+                _spare, extra = spare, None
+        if extra is not None:
+            extra.discard()
+            return
+    with _spare_lock:
+        room = st.f_bavail * st.f_frsize // FREE_SPACE_FACTOR
+        spare.target = max(spare.target, min(target, spare.ready + room))
+        if spare.thread is None and not spare.taken and spare.ready < spare.target:
+            spare.thread = threading.Thread(target=spare.grow, name="vllm-capture-spare",
+                                            daemon=True)
+            spare.thread.start()
+
+
+def drop_spare() -> None:
+    """No stream is capturing: delete the spare (its pages are freed in the background)."""
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    if spare is not None:
+        spare.discard()
+
+
+def _take_spare(owner: int) -> "_Spare | None":
+    """The spare of ``owner``, for a reply, once its thread has stopped (at most one step)."""
+    global _spare
+    with _spare_lock:
+        spare = _spare
+        if spare is None or spare.owner != owner or (spare.ready == 0 and spare.thread is None):
+            return None
+        _spare = None
+        spare.taken = True
+        thread = spare.thread
+    if thread is not None:
+        thread.join()
+    if spare.ready == 0:  # its only step failed
+        spare.discard()
+        return None
+    return spare
+
 
 
 def _keep(key: tuple[int, int], mapped: mmap.mmap) -> None:
@@ -298,7 +438,7 @@ def _keep(key: tuple[int, int], mapped: mmap.mmap) -> None:
 
 
 def _reap(maps: list[mmap.mmap] = (), paths: list[str] = ()) -> None:
-    """Close ``maps`` and delete ``paths`` on a thread of their own (see ``_reaping``)."""
+    """Close ``maps`` and delete ``paths`` on a thread of their own (see ``REAPER``)."""
     if not maps and not paths:
         return
 
@@ -308,15 +448,14 @@ def _reap(maps: list[mmap.mmap] = (), paths: list[str] = ()) -> None:
         for path in paths:
             _remove(path)
 
-    thread = threading.Thread(target=work, name="vllm-capture-reap", daemon=True)
-    _reaping[:] = [t for t in _reaping if t.is_alive()] + [thread]
-    thread.start()
+    threading.Thread(target=work, name=REAPER, daemon=True).start()
 
 
 def settle() -> None:
     """Wait until the mappings and files handed to :func:`_reap` are gone."""
-    for thread in list(_reaping):
-        thread.join()
+    for thread in threading.enumerate():
+        if thread.name == REAPER:
+            thread.join()
 
 
 def _pool_cap() -> int:
@@ -357,25 +496,42 @@ def _map_populated(fd: int, total: int, pool: concurrent.futures.Executor | None
         os.ftruncate(fd, total)
     mapped = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     try:
-        view = ctypes.c_char.from_buffer(mapped)
-        base = ctypes.addressof(view)
-        del view  # releases the buffer export, so the mapping can close
-        step = -(-(-(-total // threads)) // mmap.PAGESIZE) * mmap.PAGESIZE
-        ranges = [(base + start, min(step, total - start)) for start in range(0, total, step)]
-        failures = [e for e in _each(pool, _populate_range, ranges) if e]
+        failures = _populate(_address(mapped), 0, total, pool, threads)
         if failures and all(e in (errno.EINVAL, errno.ENOSYS) for e in failures):
             # A kernel without MADV_POPULATE_WRITE: reserve, then populate on one thread.
             mapped.close()
             os.posix_fallocate(fd, 0, total)
             return mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        if failures:
-            code = next(e for e in failures if e not in (errno.EINVAL, errno.ENOSYS))
-            raise OSError(code, f"populating the capture reply file: {os.strerror(code)}")
+        _raise_first(failures)
     except BaseException:
         mapped.close()
         raise
     return mapped
+
+
+def _address(mapped: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(mapped)
+    base = ctypes.addressof(view)
+    del view  # releases the buffer export, so the mapping can close
+    return base
+
+
+def _populate(base: int, start: int, stop: int, pool: concurrent.futures.Executor | None,
+              threads: int) -> list[int]:
+    """Populate bytes ``[start, stop)`` of the mapping at ``base`` (``start`` on a page), in one
+    range per thread; the errnos of the ranges that failed."""
+    if stop <= start:
+        return []
+    step = -(-(-(-(stop - start) // threads)) // mmap.PAGESIZE) * mmap.PAGESIZE
+    ranges = [(base + at, min(step, stop - at)) for at in range(start, stop, step)]
+    return [e for e in _each(pool, _populate_range, ranges) if e]
+
+
+def _raise_first(failures: list[int]) -> None:
+    if failures:
+        code = next((e for e in failures if e not in (errno.EINVAL, errno.ENOSYS)), failures[0])
+        raise OSError(code, f"populating the capture reply file: {os.strerror(code)}")
 
 
 def _populate_range(address: int, length: int) -> int:
@@ -431,13 +587,22 @@ def _release(path: str, size: int) -> None:
 
 
 def _at_exit() -> None:
-    """Delete the files this client pooled; files released after this are deleted, not pooled
-    (``weakref.finalize`` runs its exit hook before or after this one, by registration order)."""
+    """A worker deletes its spare. A client deletes the files it pooled, and the spares of
+    workers that did not (killed before their exit); files released after this are deleted, not
+    pooled (``weakref.finalize`` runs its exit hook before or after this one, by registration
+    order)."""
     global _exiting
     _exiting = True
+    drop_spare()
     settle()
     for path in _pooled:
         _remove(path)
+    try:
+        mine = _files(f"{ROWS}{os.getpid()}-")
+    except OSError:
+        mine = []
+    for path, _ in mine:
+        _remove(path)  # the rows of fetches this process held die with it
 
 
 atexit.register(_at_exit)

@@ -256,6 +256,11 @@ class StreamStore:
         with self.lock:
             return max(self._layer_rows.values(), default=0)
 
+    @property
+    def bytes_stored(self) -> int:
+        """Bytes of every chunk's storage (rows and labels, dead rows awaiting compaction)."""
+        return self._bytes_stored
+
     # ------------------------------------------------------------------ requests
 
     def request_index(self, req_id: str) -> int:
