@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
-#   bash benchmarks/gpu_session.sh SET [MODEL]
+#   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
 #   SET: dense | verify | moe | tp | profile | extract | fetch | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
-#   /tmp/*.pt files of the same warm machine; MODEL, for bench-full: 8b | 1b | moe | tiny | tiny-moe)
+#   /tmp/*.pt files of the same warm machine; MODEL, for bench-full and startup: 8b | 1b | moe | tiny |
+#   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
 SET=${1:-dense}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -53,8 +54,9 @@ case "$SET" in
     ;;
   profile)
     # Where a capture step's host time goes (torch.profiler tables), one file back.
-    timeout 300 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile >"$OUT/profile.log" 2>&1; echo "profile rc=$?"
-    grep -E "^(idle|hidden)" "$OUT/profile.log" | cut -c1-700
+    timeout 300 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile \
+      --scenarios ${2:-idle,hidden-last,hidden-4l} >"$OUT/profile.log" 2>&1; echo "profile rc=$?"
+    grep -E "^(idle|hidden|heads|heavy|router)" "$OUT/profile.log" | cut -c1-700
     cp "$OUT/profile.log" /tmp/profile/ 2>/dev/null; tar czf "$OUT/profile.tgz" -C /tmp profile && rm -f "$OUT/profile.log"
     ;;
   extract)
