@@ -681,4 +681,16 @@ def test_the_spare_stops_growing_where_dev_shm_is_full(monkeypatch):
     shm.want_spare(1 << 20, owner=os.getpid())
     spare = _spare_settled()
     assert spare.ready == spare.target == 0 and spare.thread is None
-    assert shm._take_spare(os.getpid()) is None  # nothing populated: a fetch does without it
+    assert shm._take_spare(os.getpid(), 1 << 20) is None  # nothing populated: a fetch does without it
+
+
+def test_a_much_smaller_fetch_leaves_the_spare_for_a_later_one(monkeypatch):
+    """Like a pooled file: a one-layer fetch must not hold a spare sized for every layer."""
+    monkeypatch.setattr(shm, "POOL_SLACK_BYTES", 0)
+    shm.want_spare(8 << 20, owner=os.getpid())
+    spare = _spare_settled()
+    small = shm.write_reply(_reply(_store()), owner=os.getpid())
+    assert small["shm_path"] != spare.path and shm._spare is spare
+    big = shm.write_reply(_reply(_store(width=4096, steps=(64,))), owner=os.getpid())
+    assert big["shm_path"] == spare.path
+    shm.read_replies([small, big])

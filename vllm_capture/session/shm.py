@@ -239,7 +239,7 @@ def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None)
         except OSError:
             path = None
     if path is None and owner:
-        spare = _take_spare(owner)
+        spare = _take_spare(owner, total)
         if spare is not None:
             path, fd = spare.path, spare.fd
     if path is None:
@@ -396,12 +396,15 @@ def drop_spare() -> None:
         spare.discard()
 
 
-def _take_spare(owner: int) -> "_Spare | None":
-    """The spare of ``owner``, for a reply, once its thread has stopped (at most one step)."""
+def _take_spare(owner: int, total: int) -> "_Spare | None":
+    """The spare of ``owner``, for a reply of ``total`` bytes, once its thread has stopped (at most
+    one step). Like a pooled file, it serves no reply ``POOL_SLACK`` times smaller (a fetch of one
+    layer would hold the whole spare's memory)."""
     global _spare
     with _spare_lock:
         spare = _spare
-        if spare is None or spare.owner != owner or (spare.ready == 0 and spare.thread is None):
+        if (spare is None or spare.owner != owner or (spare.ready == 0 and spare.thread is None)
+                or spare.ready > POOL_SLACK * total + POOL_SLACK_BYTES):
             return None
         _spare = None
         spare.taken = True
