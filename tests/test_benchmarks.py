@@ -160,6 +160,12 @@ def test_select_engines_and_workloads():
         S.select(suite, engines="nope")
     with pytest.raises(ValueError, match="--workloads"):
         S.select(suite, workloads="decode-c3")
+    # Trimmed from the full suite for time, run when named.
+    full = S.make_suite("full", "8b")
+    assert "prefill-c256" not in [w.name for w in full.workloads]
+    named = S.select(full, workloads="prefill-c256,decode-c1")
+    assert [(w.name, w.prompt_len) for w in named.workloads] == [("decode-c1", 32), ("prefill-c256", 2048)]
+    assert named.max_num_seqs == 256
 
 
 def test_make_suite_rejects_unknown():
