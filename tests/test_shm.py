@@ -647,16 +647,22 @@ def test_a_fetch_larger_than_the_spare_populates_only_the_rest(monkeypatch):
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
 
-def test_a_fetch_larger_than_the_spares_mapping_maps_the_file_again(monkeypatch):
+def test_a_fetch_larger_than_the_pool_cap_grows_the_spare_within_its_one_mapping(monkeypatch):
+    """The spare's populating stops at the pool's cap; its mapping spans any reply /dev/shm can
+    take, so a larger fetch populates the rest in place instead of mapping the file again."""
     monkeypatch.setattr(shm, "POOL_BYTES", 1 << 20)
     shm.want_spare(4 << 20, owner=os.getpid())
     spare = _spare_settled()
-    assert spare.ready == len(spare.mapped) == 1 << 20
+    assert spare.ready == 1 << 20 and len(spare.mapped) >= 8 << 20
+    calls = _recording_populate(monkeypatch)
+    monkeypatch.setattr(shm, "_map_populated", None)  # never called
     store = _store(width=4096, steps=(64,), seed=3)
     want = deserialize_captured(shm.write_reply(_reply(_store(width=4096, steps=(64,), seed=3)),
                                                 shared=False)["layers"])
     reply = shm.write_reply(_reply(store), owner=os.getpid())
-    assert reply["shm_path"] == spare.path and os.path.getsize(spare.path) > 1 << 20
+    total = os.path.getsize(spare.path)
+    assert reply["shm_path"] == spare.path and sum(n for n, _ in calls) == total - (1 << 20)
+    assert not shm._kept  # over the pool's cap: not kept
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
 

@@ -257,26 +257,26 @@ def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None)
         try:
             info = os.fstat(fd)
             key = (info.st_dev, info.st_ino)
-            if spare is not None and len(spare.mapped) >= total:
+            if spare is not None:
                 mapped = spare.mapped
                 _raise_first(_populate(spare.base, spare.ready, total, pool, threads))
                 # Populated up to the file's end, like every reply file (see _Spare).
-                os.ftruncate(fd, max(spare.ready, total))
+                size = max(spare.ready, total)
+                os.ftruncate(fd, size)
             else:
-                if spare is not None:  # a reply larger than the spare's mapping
-                    _reap(maps=[spare.mapped])
                 mapped = _kept.pop(key, None)
                 if mapped is None or len(mapped) < total:
                     _reap(maps=[mapped] if mapped is not None else [])
                     mapped = None  # the reaper closes it
                     # The whole file: a pooled file larger than this reply may carry a larger one.
                     mapped = _map_populated(fd, max(total, info.st_size), pool, threads)
+                size = max(total, info.st_size)
         finally:
             os.close(fd)
         _each(pool, lambda block, offset: block.copy_into(
             memoryview(mapped)[offset: offset + block.nbytes]),
             [(b, o) for b, o in zip(blocks, offsets) if b.nbytes])
-        _keep(key, mapped)
+        _keep(key, mapped, size)
     except BaseException as exc:
         _close(mapped)
         _remove(path)
@@ -301,15 +301,16 @@ _spare_lock = threading.Lock()
 
 
 class _Spare:
-    """One spare file, named for its client: sized to the pool's cap but sparse (only populated
-    pages take memory) and mapped once at that size, so growing it never remaps. Pages are
-    populated from the start: ``ready`` bytes so far, growing towards ``target``."""
+    """One spare file, named for its client: sized to the largest reply ``/dev/shm`` could take
+    but sparse (only populated pages take memory) and mapped once at that size, so neither its
+    growth nor a reply larger than it grew remaps it. Pages are populated from the start:
+    ``ready`` bytes so far, growing towards ``target``."""
 
-    def __init__(self, owner: int, cap: int):
+    def __init__(self, owner: int, span: int):
         fd, self.path = tempfile.mkstemp(prefix=f"{ROWS}{owner}-", dir=SHM_DIR)
         try:
-            os.ftruncate(fd, cap)
-            self.mapped = mmap.mmap(fd, cap, flags=mmap.MAP_SHARED,
+            os.ftruncate(fd, span)
+            self.mapped = mmap.mmap(fd, span, flags=mmap.MAP_SHARED,
                                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -367,7 +368,8 @@ def want_spare(nbytes: int, owner: int) -> None:
         if target <= 0:
             return
         try:
-            spare = _Spare(owner, cap)
+            # A reply needs twice its size free in /dev/shm (FREE_SPACE_FACTOR): none is larger.
+            spare = _Spare(owner, max(cap, st.f_blocks * st.f_frsize // FREE_SPACE_FACTOR))
         except OSError:
             return
         with _spare_lock:
@@ -404,7 +406,7 @@ def _take_spare(owner: int, total: int) -> "_Spare | None":
     with _spare_lock:
         spare = _spare
         if (spare is None or spare.owner != owner or (spare.ready == 0 and spare.thread is None)
-                or spare.ready > POOL_SLACK * total + POOL_SLACK_BYTES):
+                or spare.ready > POOL_SLACK * total + POOL_SLACK_BYTES or total > len(spare.mapped)):
             return None
         _spare = None
         spare.taken = True
@@ -418,19 +420,20 @@ def _take_spare(owner: int, total: int) -> "_Spare | None":
 
 
 
-def _keep(key: tuple[int, int], mapped: mmap.mmap) -> None:
+def _keep(key: tuple[int, int], mapped: mmap.mmap, size: int) -> None:
     """Keep the mapping of a file this worker wrote, for when the file comes back from the pool:
     writing through existing page tables skips populating them again. A file larger than the
     pool may hold never comes back, so its mapping is closed now, while the client still maps
     the file. Mappings of files that no longer exist are closed (their pages are freed then),
-    and at most ``KEEP_MAPPINGS`` are kept. Closing runs in the background (:func:`_reap`)."""
+    and at most ``KEEP_MAPPINGS`` are kept. Closing runs in the background (:func:`_reap`). ``size``
+    is the file's: a spare's mapping is longer."""
     try:
         live = {(info.st_dev, info.st_ino) for _, info in _files(ROWS, FREE)}
         cap = _pool_cap()
     except OSError:
         live, cap = set(), 0
     stale = []
-    if len(mapped) <= cap:
+    if size <= cap:
         _kept[key] = mapped
     else:
         stale.append(mapped)
