@@ -295,7 +295,10 @@ def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None)
 # (munmap and madvise release the GIL), so the next fetch the pool cannot serve writes into pages
 # that exist. Its memory is what the fetch would take anyway, taken earlier; at most the pool's
 # cap, and only for a client that fetched through shared memory before.
-SPARE_STEP = 16 << 20  # bytes populated per call: the longest a fetch waits for the thread
+# Bytes populated per call: the longest a fetch waits for the thread, and the longest the call
+# holds the process's mmap lock (about 2 ms), which an mmap or munmap on another thread (a large
+# allocation or free by the engine) would wait for.
+SPARE_STEP = 2 << 20
 _spare: "_Spare | None" = None
 _spare_lock = threading.Lock()
 
