@@ -49,7 +49,8 @@ def one_fetch(layers: int, width: int, rows: int, steps: int, per_drain: int, sp
         if thread is not None:
             thread.join()
         populated = shm._spare.ready if shm._spare is not None else 0
-        note = f" (spare {populated / 1e6:.0f} MB populated in the background, by {time.perf_counter() - t0:.3f}s)"
+        note = (f" (spare {populated / 1e6:.0f} MB populated in the background, "
+                f"by {time.perf_counter() - t0:.3f}s)")
     stages = {}
     t0 = time.perf_counter()
     reply = {"layers": {str(k): v for k, v in store.serialize(raw_data=True,
@@ -87,7 +88,8 @@ def main() -> None:
     p.add_argument("--write-threads", type=int, default=shm.WRITE_THREADS,
                    help="threads that populate and fill the reply file")
     files = p.add_mutually_exclusive_group()
-    files.add_argument("--fresh", action="store_true", help="no file pool: every fetch makes a new file")
+    files.add_argument("--fresh", action="store_true",
+                       help="no file pool: every fetch makes a new file")
     files.add_argument("--spare", action="store_true",
                        help="every fetch writes into the spare populated while the rows arrived")
     args = p.parse_args()

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Where a capture step's time goes, on the GPU host: one in-process engine, torch.profiler.
 
-    python3 benchmarks/profile_step.py --model 1b --out /tmp/out [--scenarios idle,hidden-last,heavy]
+    python3 benchmarks/profile_step.py --model 1b --out /tmp/out [--scenarios idle,heavy]
 
 Runs the quick suite's decode workload (64 prompts x 32 tokens, 256 new tokens) on one capture
 engine (CUDA graphs), in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees
 the scheduler, the worker and our hooks together. For each scenario (by default capture idle,
 last-token hidden states of all layers, all positions of 4 layers; any graph scenario of the suite
-by name) it times plain generates and their fetches, then profiles one and writes the CPU-side operator table (host syncs, pinned allocations, copies, kernel
-launches) to ``OUT/profile_<scenario>.txt``; the summary compares the scenarios by call counts
-and host time per decode step.
+by name) it times plain generates and their fetches, then profiles one and writes the CPU-side
+operator table (host syncs, pinned allocations, copies, kernel launches) to
+``OUT/profile_<scenario>.txt``; the summary compares the scenarios by call counts and host time
+per decode step.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--scenarios", default="idle,hidden-last,hidden-4l",
-                   help="comma list: idle, or scenarios of the suite run on the capture-graph engine")
+                   help="comma list: idle, or scenarios of the suite on the capture-graph engine")
     args = p.parse_args()
     names = args.scenarios.split(",")
-    bad = [n for n in names if n != "idle" and (n not in S.SCENARIOS or S.SCENARIOS[n].capture is None
-                                                 or S.SCENARIOS[n].engine != "capture-graph")]
+    bad = [n for n in names if n != "idle" and (
+        n not in S.SCENARIOS or S.SCENARIOS[n].capture is None
+        or S.SCENARIOS[n].engine != "capture-graph")]
     if bad:
         p.error(f"--scenarios: not a capture-graph scenario: {', '.join(bad)}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

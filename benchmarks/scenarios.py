@@ -289,11 +289,12 @@ def make_suite(name: str, model: str | None = None) -> Suite:
                      grace_s=30.0)
     if name == "full":
         # Trimmed to fit 10 minutes of device time: prefill at 256 (512k prompt tokens a
-        # generate) only when named, eager engines only at 64 concurrent, later workloads skipped when the
-        # time budget runs out (the report lists what was skipped and why).
+        # generate) only when named, eager engines only at 64 concurrent, later workloads
+        # skipped when the time budget runs out (the report lists what was skipped and why).
         workloads = (decode(64), prefill(64), decode(256), decode(1), prefill(1))
         return Suite("full", model or "8b", workloads, _ALL, reps=2, budget_s=470.0,
-                     eager_workloads=("decode-c64", "prefill-c64"), optional_workloads=(prefill(256),))
+                     eager_workloads=("decode-c64", "prefill-c64"),
+                     optional_workloads=(prefill(256),))
     if name == "tiny-cpu":
         workloads = (decode(8, prompt_len=16, new_tokens=16), prefill(4, prompt_len=256, new_tokens=4))
         scenarios = tuple(s for s in _ALL if SCENARIOS[s].engine != "vanilla-eager")

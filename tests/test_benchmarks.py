@@ -164,7 +164,8 @@ def test_select_engines_and_workloads():
     full = S.make_suite("full", "8b")
     assert "prefill-c256" not in [w.name for w in full.workloads]
     named = S.select(full, workloads="prefill-c256,decode-c1")
-    assert [(w.name, w.prompt_len) for w in named.workloads] == [("decode-c1", 32), ("prefill-c256", 2048)]
+    assert [(w.name, w.prompt_len) for w in named.workloads] == [("decode-c1", 32),
+                                                                   ("prefill-c256", 2048)]
     assert named.max_num_seqs == 256
 
 

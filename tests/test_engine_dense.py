@@ -431,12 +431,13 @@ def test_fetch_through_rpc_bytes_equals_fetch_through_shared_memory(llm, monkeyp
         stop_capture(llm)
 
 
-def test_a_later_fetch_comes_in_the_spare_the_worker_filled_while_its_rows_arrived(llm, monkeypatch):
+def test_a_later_fetch_comes_in_the_spare_filled_while_its_rows_arrived(llm, monkeypatch):
     from vllm_capture.session import shm
 
     paths = []
     read_reply = shm.read_reply
-    monkeypatch.setattr(shm, "read_reply", lambda r: paths.append(r.get("shm_path")) or read_reply(r))
+    monkeypatch.setattr(shm, "read_reply",
+                        lambda r: paths.append(r.get("shm_path")) or read_reply(r))
 
     def generate_and_list(seed):
         llm.generate([tokens_prompt(p) for p in _prompts(seed, [9, 40])],

@@ -629,7 +629,7 @@ def test_the_spare_is_populated_in_the_background_and_carries_the_next_fetch(mon
     calls.clear()
     reply = shm.write_reply(_reply(store), owner=os.getpid())
     assert reply["shm_path"] == spare.path and not calls and shm._spare is None
-    assert os.path.getsize(spare.path) == spare.ready  # populated up to its end, like every reply file
+    assert os.path.getsize(spare.path) == spare.ready  # populated to its end, as every reply file
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
 
@@ -687,7 +687,9 @@ def test_the_spare_stops_growing_where_dev_shm_is_full(monkeypatch):
     shm.want_spare(1 << 20, owner=os.getpid())
     spare = _spare_settled()
     assert spare.ready == spare.target == 0 and spare.thread is None
-    assert shm._take_spare(os.getpid(), 1 << 20) is None  # nothing populated: a fetch does without it
+    assert shm._take_spare(os.getpid(), 1 << 20) is None  # nothing populated: fetches do without
+    shm.want_spare(2 << 20, owner=os.getpid())
+    assert shm._spare is spare and spare.thread is None  # no new try on every report
 
 
 def test_a_much_smaller_fetch_leaves_the_spare_for_a_later_one(monkeypatch):

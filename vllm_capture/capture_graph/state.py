@@ -397,8 +397,8 @@ class CaptureGraphState:
             counts = group.acc_count.index_select(0, group.enabled_index).index_select(1, idx)
             if mean:
                 acc = acc / counts.clamp(min=1).unsqueeze(2).to(acc.dtype)
-            picked = (acc.to(group.ring.dtype), group.acc_labels[group.enabled[0]].index_select(0, idx),
-                      counts)
+            labels = group.acc_labels[group.enabled[0]].index_select(0, idx)
+            picked = (acc.to(group.ring.dtype), labels, counts)
             gathered.append((group, picked))
         event = None
         if cuda:

@@ -199,7 +199,8 @@ class CaptureWorkerExtension:
         reply = shm.write_reply(reply, shared=shared, owner=owner)
         session.add_host_time("fetch_write", time.perf_counter() - t0)
         # This client's next fetch finds its reply file populated while the rows arrived.
-        session.on_stored = functools.partial(shm.want_spare, owner=owner) if shared and owner else None
+        session.on_stored = (functools.partial(shm.want_spare, owner=owner) if shared and owner
+                             else None)
         return reply
 
     @_tagged_errors

@@ -322,6 +322,7 @@ class _Spare:
         self.fd, self.owner, self.base = fd, owner, _address(self.mapped)
         self.ready = self.target = 0
         self.taken = False
+        self.stuck = False  # a populate call failed: this spare grows no further
         self.thread: threading.Thread | None = None
 
     def grow(self) -> None:
@@ -334,8 +335,8 @@ class _Spare:
                 start, stop = self.ready, min(self.target, self.ready + SPARE_STEP)
             error = _populate_range(self.base + start, stop - start)
             with _spare_lock:
-                if error:  # tmpfs full, or a kernel without MADV_POPULATE_WRITE: no further
-                    self.target = self.ready
+                if error:  # tmpfs full, or a kernel without MADV_POPULATE_WRITE
+                    self.target, self.stuck = self.ready, True
                 else:
                     self.ready = stop
 
@@ -386,7 +387,7 @@ def want_spare(nbytes: int, owner: int) -> None:
     with _spare_lock:
         room = st.f_bavail * st.f_frsize // FREE_SPACE_FACTOR
         spare.target = max(spare.target, min(target, spare.ready + room))
-        if spare.thread is None and not spare.taken and spare.ready < spare.target:
+        if spare.thread is None and not (spare.taken or spare.stuck) and spare.ready < spare.target:
             spare.thread = threading.Thread(target=spare.grow, name="vllm-capture-spare",
                                             daemon=True)
             spare.thread.start()
@@ -409,7 +410,8 @@ def _take_spare(owner: int, total: int) -> "_Spare | None":
     with _spare_lock:
         spare = _spare
         if (spare is None or spare.owner != owner or (spare.ready == 0 and spare.thread is None)
-                or spare.ready > POOL_SLACK * total + POOL_SLACK_BYTES or total > len(spare.mapped)):
+                or spare.ready > POOL_SLACK * total + POOL_SLACK_BYTES
+                or total > len(spare.mapped)):
             return None
         _spare = None
         spare.taken = True
@@ -420,7 +422,6 @@ def _take_spare(owner: int, total: int) -> "_Spare | None":
         spare.discard()
         return None
     return spare
-
 
 
 def _keep(key: tuple[int, int], mapped: mmap.mmap, size: int) -> None:
