@@ -638,15 +638,24 @@ class CaptureSession:
         self._wait_copy(item.acc)
         req_index = torch.tensor(item.req_index, dtype=torch.int32)
         positions = torch.tensor(item.positions, dtype=torch.int32)
+        # Layers with the same labels and the same reductions holding rows (in practice every
+        # layer of the stream) go into the store in one append: labels checked and rows grouped
+        # by request once, not once per layer.
+        appends: dict[tuple, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
         for layer_id, (values, acc_labels, counts) in item.acc.layers.items():
-            meta = torch.empty((len(item.req_ids), 3), dtype=torch.int32)
-            meta[:, 0] = req_index
-            meta[:, 1] = positions
-            meta[:, 2] = -1 if mean else acc_labels[:, 2]
             empty = counts == 0
-            if bool(empty.any()):
-                values, meta = values[~empty], meta[~empty]
-            item.stream.store.append(layer_id, values, meta, item.acc.layer_names[layer_id])
+            live = ~empty if bool(empty.any()) else None  # None: every reduction holds rows
+            key = (id(acc_labels), None if live is None else live.numpy().tobytes())
+            if key not in appends:
+                meta = torch.empty((len(item.req_ids), 3), dtype=torch.int32)
+                meta[:, 0] = req_index
+                meta[:, 1] = positions
+                meta[:, 2] = -1 if mean else acc_labels[:, 2]
+                appends[key] = (meta if live is None else meta[live], {})
+            appends[key][1][layer_id] = values if live is None else values[live]
+        for meta, rows in appends.values():
+            item.stream.store.append_layers(rows, meta,
+                                            {k: item.acc.layer_names[k] for k in rows})
 
 
 def _merge_conditions(steps: list[tuple]) -> tuple[np.ndarray | None, list]:
