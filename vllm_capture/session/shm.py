@@ -231,7 +231,7 @@ def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None)
     spare, else a new one), with each block's rows copied in at its offset, through one mapping;
     None (and no file) when there is not room."""
     prefix = f"{ROWS}{owner}-" if owner else ROWS
-    fd, spare = None, None
+    spare = None
     path = _claim_pooled(total, prefix)
     if path is not None:
         try:
