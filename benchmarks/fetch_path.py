@@ -43,8 +43,8 @@ def one_fetch(layers: int, width: int, rows: int, steps: int, per_drain: int, sp
     append = time.perf_counter() - t0
     note = ""
     if spare:
-        for path, _ in shm._files(shm.FREE):
-            os.unlink(path)
+        for path, _ in shm._files(f"{shm.FREE}{os.getpid()}-"):
+            os.unlink(path)  # this process's pooled files: none may serve the fetch
         thread = shm._spare.thread if shm._spare is not None else None
         if thread is not None:
             thread.join()

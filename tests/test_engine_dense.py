@@ -449,7 +449,7 @@ def test_a_later_fetch_comes_in_the_spare_filled_while_its_rows_arrived(llm, mon
     try:
         generate_and_list(812)
         first = fetch_captured(llm)  # held: its file stays out of the pool
-        for path, _ in shm._files(shm.FREE):
+        for path, _ in shm._files(f"{shm.FREE}{os.getpid()}-"):
             os.unlink(path)  # no pooled file can serve the next fetch
         before = generate_and_list(813)
         second = fetch_captured(llm)
