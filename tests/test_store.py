@@ -900,3 +900,40 @@ def test_raw_data_rows_of_one_whole_chunk_are_not_copied_until_asked():
     rows = store.serialize(raw_data=True)[0]["data"]
     (chunk,) = store.chunks[0].values()
     assert rows.tensor() is chunk.tensor  # what the bytes path has always encoded directly
+
+
+# ------------------------------------------------------------- parallel appends
+
+
+@pytest.mark.parametrize("storage", [None, "float16"])
+def test_a_large_append_copies_its_layers_on_threads_to_the_same_rows(monkeypatch, storage):
+    """Rows into fresh memory cost first-touch page faults, so large appends copy their layers on
+    APPEND_THREADS threads; the stored rows must be those of the one-thread copy, layer by layer."""
+    g = torch.Generator().manual_seed(7)
+    layers, requests, steps, width = 6, 5, 40, 1024
+    meta = torch.tensor([[r, s, 11 * r + s] for s in range(steps)
+                         for r in reversed(range(requests))], dtype=torch.int32)
+    values = {layer: torch.randn(len(meta), width, generator=g).to(torch.bfloat16)
+              for layer in range(layers)}
+    names = {layer: f"model.layers.{layer}" for layer in range(layers)}
+    monkeypatch.setattr(store_module, "APPEND_THREADS", 3)  # whatever this machine's CPUs
+    monkeypatch.setattr(store_module, "_append_pool", None)
+    threads = []
+    real_take = store_module._take
+    monkeypatch.setattr(store_module, "_take", lambda *args: threads.append(
+        threading.current_thread().name) or real_take(*args))
+    fetched = []
+    for parallel_bytes in (1, 1 << 40):  # every append on threads, then none
+        monkeypatch.setattr(store_module, "_PARALLEL_APPEND", parallel_bytes)
+        store = StreamStore(StreamConfig(dtype=storage))
+        for r in range(requests):
+            assert store.request_index(f"req{r}-0123abcd") == r
+        store.append_layers(values, meta, names)
+        fetched.append(_fetch(store))
+    assert any(name.startswith("vllm-capture-store") for name in threads[:layers])
+    assert all(name == threading.current_thread().name for name in threads[layers:])
+    (labels_a, tensors_a), (labels_b, tensors_b) = fetched
+    assert labels_a == labels_b and sorted(tensors_a) == list(range(layers))
+    for layer in range(layers):
+        assert tensors_a[layer].dtype == tensors_b[layer].dtype
+        assert tensors_a[layer].view(torch.uint8).equal(tensors_b[layer].view(torch.uint8))

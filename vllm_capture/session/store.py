@@ -17,8 +17,10 @@ file, ``session/shm.py``).
 """
 
 import collections
+import concurrent.futures
 import functools
 import logging
+import os
 import threading
 from typing import Any, NamedTuple
 
@@ -39,6 +41,10 @@ _ZERO = np.zeros(1, dtype=np.int64)
 # Blocks at least this large are copied by torch (parallel where it has
 # intra-op threads); smaller ones by numpy (see _raw).
 _LARGE_COPY = 2 << 20
+# Appends of at least this many bytes copy their layers on APPEND_THREADS threads (_copy_all).
+APPEND_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+_PARALLEL_APPEND = 8 << 20
+_append_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 # Containers accepted for ``layers`` / ``req_ids``; a bare str would iterate
 # as characters and silently select nothing.
@@ -414,16 +420,19 @@ class StreamStore:
             # The chunk layout of the first `keep` rows; layers share it (their budgets agree
             # unless a layer was enabled later), and chunks never modify these arrays in place.
             layouts: dict[int, tuple] = {}
+            takes = []  # (layer, source rows, layout, dtype)
             for layer_id, tensor in rows.items():
                 keep = self._limit_rows(layer_id, count)
                 if keep == 0:
                     continue
                 if keep not in layouts:
                     layouts[keep] = self._chunk_layout(labels, unblocked, keep)
-                kept, chunk_meta, reqs, starts, lens = layouts[keep]
                 dtype = tensor.dtype if self.config.dtype is None else self.config.dtype
-                chunk = _Chunk(_take(tensor.detach(), kept, dtype), chunk_meta, reqs, starts, lens)
-                self._add_chunk(layer_id, chunk)
+                takes.append((layer_id, tensor.detach(), layouts[keep], dtype))
+            copies = _copy_all([(source, layout[0], dtype) for _, source, layout, dtype in takes])
+            for (layer_id, _, layout, dtype), copy in zip(takes, copies):
+                _, chunk_meta, reqs, starts, lens = layout
+                self._add_chunk(layer_id, _Chunk(copy, chunk_meta, reqs, starts, lens))
                 self._layer_dtypes.setdefault(layer_id, set()).add(dtype)
                 self.layer_names[layer_id] = layer_names[layer_id]
 
@@ -983,6 +992,25 @@ def _run_starts(values: np.ndarray) -> np.ndarray:
     return np.flatnonzero(change)
 
 
+def _copy_all(takes: list[tuple[torch.Tensor, np.ndarray | slice, torch.dtype]]
+              ) -> list[torch.Tensor]:
+    """``_take(*take)`` for each take: on ``APPEND_THREADS`` threads when they copy at least
+    ``_PARALLEL_APPEND`` bytes. Rows arriving in an empty store land in fresh memory, whose
+    first-touch page faults cost 1-2 GB/s per thread (torch and numpy copies release the GIL)."""
+    global _append_pool
+    nbytes = sum(_rows(rows) * source.shape[1] * source.element_size()
+                 for source, rows, _ in takes)
+    if len(takes) < 2 or nbytes < _PARALLEL_APPEND or APPEND_THREADS < 2:
+        return [_take(*take) for take in takes]
+    if _append_pool is None:
+        _append_pool = concurrent.futures.ThreadPoolExecutor(APPEND_THREADS, "vllm-capture-store")
+    return list(_append_pool.map(lambda take: _take(*take), takes))
+
+
+def _rows(rows: np.ndarray | slice) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.size
+
+
 def _take(source: torch.Tensor, rows: np.ndarray | slice, dtype: torch.dtype) -> torch.Tensor:
     """Copy ``rows`` of 2-D ``source`` into a fresh tensor only the store references.
 
@@ -990,7 +1018,7 @@ def _take(source: torch.Tensor, rows: np.ndarray | slice, dtype: torch.dtype) ->
     keep) alive, and the drain reuses its pinned pages.
     """
     # Slices always come with explicit bounds here.
-    count = rows.stop - rows.start if isinstance(rows, slice) else rows.size
+    count = _rows(rows)
     width = source.shape[1]
     if source.dtype != dtype or count * width * source.element_size() >= _LARGE_COPY:
         # torch casts (numpy has no bfloat16) and copies large blocks with its
