@@ -117,6 +117,14 @@ def _inode(path: str) -> int:
     return os.stat(path).st_ino
 
 
+def _recording_populate(monkeypatch) -> list[tuple[int, int, str]]:
+    """``(address, bytes, thread name)`` of every populate call from now on."""
+    calls, real = [], shm._populate_range
+    monkeypatch.setattr(shm, "_populate_range", lambda address, length: calls.append(
+        (address, length, threading.current_thread().name)) or real(address, length))
+    return calls
+
+
 @pytest.mark.parametrize("large_copy", [None, 0], ids=["numpy-copies", "torch-copies"])
 @pytest.mark.parametrize("steps", [(5, 1, 1, 1), (1,) * 12, (4,)],
                          ids=["prefill+decode", "decode-scatter", "one-chunk"])
@@ -268,23 +276,16 @@ def test_a_kernel_without_populate_reserves_with_fallocate_and_still_shares_the_
 
 def test_the_file_is_populated_in_ranges_on_several_threads(monkeypatch):
     """Ranges cover the file exactly once, page-aligned, and each range runs on a pool thread."""
-    ranges, threads = [], set()
-    real = shm._populate_range
-
-    def record(address, length):
-        ranges.append((address, length))
-        threads.add(threading.get_ident())
-        return real(address, length)
-
-    monkeypatch.setattr(shm, "_populate_range", record)
+    calls = _recording_populate(monkeypatch)
     monkeypatch.setattr(shm, "WRITE_THREADS", 3)
     monkeypatch.setattr(shm, "POPULATE_BYTES", 4096)
     reply = shm.write_reply(_reply(_store(width=2000)))
     total = os.path.getsize(reply["shm_path"])
-    ranges.sort()
+    ranges = sorted((address, length) for address, length, _ in calls)
     assert ranges[0][1] % mmap.PAGESIZE == 0 and len(ranges) == 3
     assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
-    assert sum(n for _, n in ranges) == total and threading.get_ident() not in threads
+    assert sum(n for _, n in ranges) == total
+    assert threading.current_thread().name not in {name for _, _, name in calls}
     want = deserialize_captured(shm.write_reply(_reply(_store(width=2000)), shared=False)["layers"])
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
@@ -390,10 +391,7 @@ def test_a_released_file_carries_the_next_fetch():
 
 
 def test_a_file_back_from_the_pool_is_written_through_the_workers_kept_mapping(monkeypatch):
-    populated = []
-    real = shm._populate_range
-    monkeypatch.setattr(shm, "_populate_range",
-                        lambda address, length: populated.append(length) or real(address, length))
+    populated = _recording_populate(monkeypatch)
     first, path = _fetch(_store(seed=1))
     inode = _inode(path)
     assert populated and len(shm._kept) == 1
@@ -599,14 +597,6 @@ def test_the_files_of_a_gone_client_are_deleted_at_the_next_clients_first_fetch(
 
 # ---- the spare: a reply file populated while the rows arrive -----------------------------------
 
-def _recording_populate(monkeypatch) -> list[tuple[int, str]]:
-    """``(bytes, thread name)`` of every populate call from now on."""
-    calls, real = [], shm._populate_range
-    monkeypatch.setattr(shm, "_populate_range", lambda address, length: calls.append(
-        (length, threading.current_thread().name)) or real(address, length))
-    return calls
-
-
 def _spare_settled() -> shm._Spare:
     spare = shm._spare
     thread = spare.thread
@@ -624,7 +614,7 @@ def test_the_spare_is_populated_in_the_background_and_carries_the_next_fetch(mon
     shm.want_spare(store.bytes_stored, owner=os.getpid())
     spare = _spare_settled()
     assert spare.ready >= store.bytes_stored and spare.ready % mmap.PAGESIZE == 0
-    assert calls and {name for _, name in calls} == {"vllm-capture-spare"}
+    assert calls and {name for _, _, name in calls} == {"vllm-capture-spare"}
     assert os.path.basename(spare.path).startswith(f"{shm.ROWS}{os.getpid()}-")
     calls.clear()
     reply = shm.write_reply(_reply(store), owner=os.getpid())
@@ -643,7 +633,7 @@ def test_a_fetch_larger_than_the_spare_populates_only_the_rest(monkeypatch):
                                                 shared=False)["layers"])
     reply = shm.write_reply(_reply(store), owner=os.getpid())
     total = os.path.getsize(reply["shm_path"])
-    assert total > ready and sum(length for length, _ in calls) == total - ready
+    assert total > ready and sum(length for _, length, _ in calls) == total - ready
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
 
@@ -661,7 +651,7 @@ def test_a_fetch_larger_than_the_pool_cap_grows_the_spare_within_its_one_mapping
                                                 shared=False)["layers"])
     reply = shm.write_reply(_reply(store), owner=os.getpid())
     total = os.path.getsize(spare.path)
-    assert reply["shm_path"] == spare.path and sum(n for n, _ in calls) == total - (1 << 20)
+    assert reply["shm_path"] == spare.path and sum(n for _, n, _ in calls) == total - (1 << 20)
     assert not shm._kept  # over the pool's cap: not kept
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
