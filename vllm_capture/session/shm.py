@@ -582,7 +582,7 @@ def _release(path: str, size: int) -> None:
         if size > cap:
             _reap(paths=[path])
             return
-        pooled = sorted((info.st_mtime, path, info.st_size) for path, info in _files(FREE))
+        pooled = sorted((info.st_mtime, free, info.st_size) for free, info in _files(FREE))
         held = sum(p[2] for p in pooled)
         while pooled and (len(pooled) >= POOL_FILES or held + size > cap):
             _, oldest, oldest_size = pooled.pop(0)
