@@ -29,7 +29,10 @@ case "$SET" in
     ;;
   verify)
     # After a kernel or upload change: graph-mode rows of the tiny Llama against HF fp32 (what
-    # `dense` checks first, in a fifth of its time).
+    # `dense` checks first, in a fifth of its time), and idle capture nodes switched off in a
+    # real CUDA graph (no engine).
+    timeout 120 python3 $G graph-nodes --report "$OUT/graph_nodes_report.json" >"$OUT/graph_nodes.log" 2>&1
+    echo "graph-nodes rc=$? $(tail -1 "$OUT/graph_nodes.log" | cut -c1-400)"
     run llama_graph --model llama --mode graph
     compare llama_graph llama
     ;;

@@ -102,6 +102,29 @@ def run(args) -> None:
             "token_ids": {k: m.token_ids for k, m in gmeta.items()},
         }
         api.stop_capture(llm, s)
+    # Two layers of each stream on, the others' graph nodes switched off: the same prompts must
+    # give the same rows for those layers, and the other layers none.
+    result["partial"] = {}
+    for s in streams:
+        layers = sorted(result["streams"][s]["layers"])
+        chosen = [layers[0], layers[-1]]
+        api.start_capture(llm, s, layers=chosen)
+        idle_nodes = api.capture_status(llm, s)["graph_nodes"]
+        again = llm.generate(prompts, params, use_tqdm=False)
+        status = api.capture_status(llm, s)
+        tensors, meta, _ = api.fetch_captured(llm, s)
+        grouped, _, _ = api.group_rows(tensors, meta, [o.request_id for o in again])
+        full = result["streams"][s]["layers"]
+        result["partial"][s] = {
+            "layers": chosen, "layers_returned": sorted(grouped),
+            "max_abs_diff": {k: float((v.float() - full[k]).abs().max()) if v.shape == full[k].shape
+                             else f"shape {tuple(v.shape)} != {tuple(full[k].shape)}"
+                             for k, v in grouped.items()},
+            "graph_nodes": status["graph_nodes"], "graph_nodes_at_start": idle_nodes,
+            "graph_replays": status["graph_replays"],
+        }
+        api.stop_capture(llm, s)
+    result["graph_nodes_idle"] = api.capture_status(llm, streams[0])["graph_nodes"]
     # Throughput: idle-installed and last-token capture on the same engine.
     llm.generate(prompts, params, use_tqdm=False)
     t = time.time()
@@ -210,6 +233,53 @@ def dtype_drift(args) -> None:
     print(json.dumps(report, indent=1))
 
 
+def graph_nodes_check(args) -> None:
+    """The driver calls of ``graph_nodes`` on a real graph, no engine: capture two sites' kernels
+    (and a torch op between them) into a KeptCUDAGraph, then replay with a site's node disabled
+    and enabled again. The execution counters say which kernels ran; the torch op must run always."""
+    from vllm_capture.capture_graph import graph_nodes
+    from vllm_capture.kernels import launch_capture, warmup
+    from vllm_capture.kernels import layout as L
+
+    dev = torch.device("cuda")
+    warmup(dev, [torch.bfloat16])
+    nodes = graph_nodes.GraphNodes(graph_nodes.load_driver())
+    graph_nodes.install(nodes)
+    W, T = 96, 8
+    x = torch.randn(T, W, dtype=torch.bfloat16, device=dev)
+    ids = torch.arange(T, dtype=torch.int32, device=dev)
+    meta, plan = L.new_plan_buffers(T, dev)
+    ring, labels = L.new_ring_buffers(T, W, torch.bfloat16, dev)
+    acc = L.new_acc_buffers(1, W, dev)
+    sites = [L.new_site_buffer(dev, enabled=False) for _ in range(2)]
+    out = torch.zeros(1, device=dev)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for site in sites:
+            launch_capture(x, None, ids, meta, plan, site, ring, labels, *acc)
+            nodes.note_launch(site.data_ptr(), torch.cuda.current_stream().cuda_stream)
+            out.add_(1)
+    counts = lambda: [int(s[L.SITE_EXECUTIONS]) for s in sites]  # noqa: E731
+    report = {"class": type(graph).__name__, "status_after_capture": nodes.status()}
+    graph.replay(); torch.cuda.synchronize()
+    report["both_on"] = counts()
+    nodes.set_site(sites[0].data_ptr(), False)
+    report["driver_disabled"] = nodes.disabled_in_graphs()
+    graph.replay(); torch.cuda.synchronize()
+    report["site0_off"] = counts()
+    nodes.set_site(sites[0].data_ptr(), True)
+    graph.replay(); torch.cuda.synchronize()
+    report["site0_on_again"] = counts()
+    report["torch_op_runs"] = float(out.item())
+    report["ok"] = (report["both_on"] == [1, 1] and report["site0_off"] == [1, 2]
+                    and report["site0_on_again"] == [2, 3] and report["driver_disabled"] == 1
+                    and report["torch_op_runs"] == 6.0 and report["status_after_capture"]["nodes"] == 2)
+    Path(args.report).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -238,8 +308,11 @@ def main() -> None:
     d.add_argument("--models", default="/tmp/tiny")
     d.add_argument("--prompts", type=int, default=48)
     d.add_argument("--report", required=True)
+    g = sub.add_parser("graph-nodes", help="switching capture nodes of a real CUDA graph")
+    g.add_argument("--report", required=True)
     args = p.parse_args()
-    {"run": run, "compare": compare, "dtype-drift": dtype_drift}[args.cmd](args)
+    {"run": run, "compare": compare, "dtype-drift": dtype_drift,
+     "graph-nodes": graph_nodes_check}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_capture.capture_graph import graph_nodes
 from vllm_capture.kernels import launch_capture, warmup
 from vllm_capture.kernels import layout as L
 
@@ -123,6 +124,9 @@ class CaptureGraphState:
     step_active: bool = False
     step_eager_launches: int = 0  # launches made by the op's Python body in the current step
     allocation_bytes: int = 0
+    # The capture kernels' nodes in captured CUDA graphs, disabled while their site is off
+    # (CUDA only; see graph_nodes).
+    nodes: graph_nodes.GraphNodes | None = None
     _copy_stream: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -185,7 +189,20 @@ class CaptureGraphState:
         self.allocation_bytes = nbytes
         if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device=self.device)
+            reference = self.reference_site
+            self.nodes = graph_nodes.GraphNodes(
+                graph_nodes.load_driver(),
+                pinned=set() if reference is None else {reference.counter.data_ptr()})
+            for key, site in self.sites.items():
+                self.nodes.set_site(key, site.enabled)
+            graph_nodes.install(self.nodes)
         self.ready = True
+
+    @property
+    def reference_site(self) -> Site | None:
+        """The site whose execution counter counts forwards (``graph_replays``): its graph nodes
+        stay enabled while it is idle."""
+        return min(self.sites.values(), key=lambda s: (s.component, s.layer_id), default=None)
 
     @property
     def ring_rows(self) -> int:
@@ -221,6 +238,8 @@ class CaptureGraphState:
         for site in self.sites_of(component):
             site.enabled = layers is None or site.layer_id in layers
             site.counter[L.SITE_ENABLED] = int(site.enabled)
+            if self.nodes is not None:
+                self.nodes.set_site(site.counter.data_ptr(), site.enabled)
         for group in self.groups.get(component, ()):
             group.enabled = [i for i, site in enumerate(group.sites) if site.enabled]
             group.enabled_index = torch.tensor(group.enabled, dtype=torch.long, device=self.device)
@@ -318,6 +337,8 @@ class CaptureGraphState:
             self.step_eager_launches += 1
         launch_capture(x, residual, self.input_ids, buf.meta, buf.plan, counter, site.ring,
                        site.ring_labels, site.acc, site.acc_labels, site.acc_count)
+        if capturing and self.nodes is not None:
+            self.nodes.note_launch(counter.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream)
 
     def drain(self, component: str) -> DrainedRows | None:
         """Enqueue the copy of every pending ring row of ``component`` to host memory.

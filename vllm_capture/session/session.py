@@ -267,6 +267,8 @@ class CaptureSession:
             "graph_allocation_bytes": 0 if gs is None else int(gs.allocation_bytes),
             "graph_replays": self.graph_replays(),
             "eager_capture_forwards": self.eager_capture_forwards(),
+            # Capture nodes in captured graphs, and how many are switched off (idle sites).
+            "graph_nodes": (None if gs is None or gs.nodes is None else gs.nodes.status()),
             "host_timers": {"steps": self._host_steps,
                             **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()}},
         }
@@ -294,10 +296,7 @@ class CaptureSession:
     # ---- counters -------------------------------------------------------------------------------
 
     def _reference_site(self):
-        gs = self.graph_state
-        if gs is None or not gs.sites:
-            return None
-        return min(gs.sites.values(), key=lambda s: (COMPONENTS.index(s.component), s.layer_id))
+        return None if self.graph_state is None else self.graph_state.reference_site
 
     def eager_capture_forwards(self) -> int:
         """Real steps in which at least one capture launch ran from the op's Python body."""
