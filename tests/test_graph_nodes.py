@@ -199,10 +199,12 @@ def test_without_a_driver_nothing_is_noted_or_switched():
 class FakeTorchGraph:
     """torch.cuda.CUDAGraph's constructor and capture methods."""
 
-    def __new__(cls, keep_graph: bool = False):
-        self = super().__new__(cls)
+    # As torch's pybind class: __new__ ignores its arguments, __init__ takes keep_graph.
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+    def __init__(self, keep_graph: bool = False):
         self.keep_graph, self.instantiated, self.was_reset = keep_graph, False, False
-        return self
 
     def capture_end(self):
         if not self.keep_graph:

@@ -223,8 +223,12 @@ class _KeptGraphMixin:
     """Makes a ``torch.cuda.CUDAGraph`` keep its captured graph, so its node handles stay valid,
     and hands its noted nodes to the active registry once instantiated."""
 
+    # torch's binding takes keep_graph in __init__ (its Python __new__ passes it along too).
     def __new__(cls, keep_graph: bool = True):
         return super().__new__(cls, True)
+
+    def __init__(self, keep_graph: bool = True):
+        super().__init__(True)
 
     def capture_end(self):
         super().capture_end()
