@@ -54,6 +54,11 @@ def aggregate(reps: list[dict]) -> dict:
         "tok_s_all": _median(per_rep(lambda r: (r["generated_tokens"] + r.get("prompt_tokens", 0))
                                      / r["gen_s"])),
         "tok_s_reps": [round(r["generated_tokens"] / r["gen_s"], 1) for r in reps],
+        # Per rep, in run order: a fetch's cost can depend on what ran before it (reps of all
+        # scenarios interleave), which a median hides.
+        "fetch_s_reps": [round(r.get("fetch_s", 0.0), 4) for r in reps],
+        "fetch_stages_ms_reps": [[r.get(f"host_fetch_{stage}_ms") for stage in FETCH_STAGES]
+                                 for r in reps],
         # Single generates fall into a slow or a fast mode on the H200 host (engine_order.py):
         # best against best compares like with like once each side has one fast rep.
         "tok_s_best": max((r["generated_tokens"] / r["gen_s"] for r in reps), default=None),

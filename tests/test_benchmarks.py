@@ -250,6 +250,10 @@ def test_aggregate_fetch_stages_are_medians_of_the_reps():
     a = R.aggregate(reps)
     assert (a["fetch_finalize_ms"], a["fetch_drain_ms"], a["fetch_wait_ms"], a["fetch_serialize_ms"],
             a["fetch_write_ms"]) == (1.0, 0.5, 5.0, 3.0, 20.0)
+    # Each rep's own figures, in run order, next to the medians.
+    assert a["fetch_s_reps"] == [0.1, 0.1, 0.1]
+    assert [stages[2] for stages in a["fetch_stages_ms_reps"]] == [2.0, 8.0, 5.0]
+    assert a["fetch_stages_ms_reps"][1] == [1.0, 0.5, 8.0, 3.0, 32.0]
 
 
 def test_summarize_ratios_to_vanilla_of_the_same_workload():
