@@ -32,6 +32,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
+
 import torch
 
 logger = logging.getLogger("vllm_capture")
@@ -40,7 +41,7 @@ _CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
 class Driver:
-    """The three CUDA driver calls this needs, through ctypes (torch does not expose them)."""
+    """The CUDA driver calls this needs, through ctypes (torch does not expose them)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._set_enabled = lib.cuGraphNodeSetEnabled
