@@ -417,6 +417,38 @@ def test_the_worker_lets_go_of_mappings_of_files_that_are_gone(monkeypatch):
     del held, third, fourth
 
 
+def test_a_reaped_mapping_lets_go_of_its_pages_a_step_at_a_time_and_the_file_keeps_its_data(
+        monkeypatch):
+    """The reaper drops page tables in UNMAP_STEP ranges covering the mapping, on its own
+    thread, then closes it; the file's contents stay (MADV_DONTNEED on a shared mapping)."""
+    calls, real = [], shm._libc
+
+    class Recording:
+        @staticmethod
+        def madvise(address, length, advice):
+            calls.append((address, length, advice, threading.current_thread().name))
+            return real.madvise(address, length, advice)
+
+    monkeypatch.setattr(shm, "_libc", Recording)
+    monkeypatch.setattr(shm, "UNMAP_STEP", 3 * mmap.PAGESIZE)
+    size = 8 * mmap.PAGESIZE
+    fd, path = tempfile.mkstemp(dir=shm.SHM_DIR)
+    os.ftruncate(fd, size)
+    mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)
+    pattern = bytes(range(256)) * (size // 256)
+    mapped[:] = pattern
+    base = shm._address(mapped)
+    shm._reap(maps=[mapped])
+    shm.settle()
+    dropped = [(a - base, n) for a, n, advice, _ in calls if advice == shm._MADV_DONTNEED]
+    assert dropped == [(0, 3 * mmap.PAGESIZE), (3 * mmap.PAGESIZE, 3 * mmap.PAGESIZE),
+                       (6 * mmap.PAGESIZE, 2 * mmap.PAGESIZE)]
+    assert {name for *_, name in calls} == {shm.REAPER} and mapped.closed
+    with open(path, "rb") as f:
+        assert f.read() == pattern
+
+
 def test_a_file_is_never_reused_while_its_tensors_live():
     first, first_path = _fetch(_store(seed=1))
     kept = {layer: t.clone() for layer, t in first[0].items()}

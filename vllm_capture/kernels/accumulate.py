@@ -55,13 +55,17 @@ if HAVE_TRITON:
     @triton.jit
     def accumulate_segments_tile(
         x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
-        n, T, cap, n_acc, W, n_ids,
+        start, cnt, slot, req,
+        n, T, n_acc, W, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         pid_r, pid_w,
         IS_MEAN: tl.constexpr, HAS_RES: tl.constexpr, UNIT_W: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, SHORT: tl.constexpr,
     ):
         """Segments ``[pid_r*BLOCK_R, +BLOCK_R) & < n`` x columns ``[pid_w*BLOCK_W, +BLOCK_W)``.
+
+        ``start``, ``cnt``, ``slot`` and ``req`` are those segments' ``plan[PLAN_SEG_*]``
+        ([BLOCK_R], read by the caller before it knew the mode, so that they load alongside it).
 
         ``IS_MEAN`` is a compile-time switch (the capture kernel dispatches on the runtime mode to
         one of two inlined copies). Labels and counts are written by the ``pid_w == 0`` column
@@ -84,9 +88,9 @@ if HAVE_TRITON:
         cols64 = cols.to(tl.int64)
         s = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         smask = s < n
-        start = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_START, mask=smask, other=0)
-        cnt = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_COUNT, mask=smask, other=0)
-        slot = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_SLOT, mask=smask, other=-1)
+        start = tl.where(smask, start, 0)
+        cnt = tl.where(smask, cnt, 0)
+        slot = tl.where(smask, slot, -1)
         ok = smask & (cnt > 0) & (start >= 0) & (start <= T - cnt) & (slot >= 0) & (slot < n_acc)
         slot64 = slot.to(tl.int64)
         if IS_MEAN:
@@ -103,9 +107,8 @@ if HAVE_TRITON:
                 a_ptrs = acc_ptr + slot64[:, None] * W + cols64[None, :]
                 tl.store(a_ptrs, tl.load(a_ptrs, mask=m, other=0.0) + total, mask=m)
                 if pid_w == 0:
-                    req = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_REQ, mask=short, other=0)
                     tl.store(acc_labels_ptr + slot64 * _LABEL_FIELDS + _LABEL_REQ, req, mask=short)
-                    tl.atomic_add(acc_count_ptr + slot, cnt, mask=short)
+                    tl.atomic_add(acc_count_ptr + slot, cnt, mask=short, sem="relaxed")
             n_long = sum0((ok & (cnt > SHORT)).to(tl.int32))
             if n_long > 0:
                 for j in range(BLOCK_R):
@@ -128,9 +131,9 @@ if HAVE_TRITON:
                             tl.store(a_ptrs, tl.load(a_ptrs, mask=cmask, other=0.0) + sum0(part),
                                      mask=cmask)
                             if pid_w == 0:
-                                req = tl.load(plan_ptr + sj * _PLAN_FIELDS + _SEG_REQ)
-                                tl.store(acc_labels_ptr + sl64 * _LABEL_FIELDS + _LABEL_REQ, req)
-                                tl.atomic_add(acc_count_ptr + sl, ct)
+                                rq = tl.load(plan_ptr + sj * _PLAN_FIELDS + _SEG_REQ)
+                                tl.store(acc_labels_ptr + sl64 * _LABEL_FIELDS + _LABEL_REQ, rq)
+                                tl.atomic_add(acc_count_ptr + sl, ct, sem="relaxed")
         else:
             # One row per segment: BLOCK_R segments as one [BLOCK_R, BLOCK_W] tile.
             last = start + cnt - 1
@@ -140,12 +143,11 @@ if HAVE_TRITON:
                               stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
             tl.store(acc_ptr + slot64[:, None] * W + cols64[None, :], v, mask=m)
             if pid_w == 0:
-                req = tl.load(plan_ptr + s * _PLAN_FIELDS + _SEG_REQ, mask=ok, other=0)
                 tok = tl.load(ids_ptr + last64 * stride_ids, mask=ok & (last < n_ids), other=_NO_TOKEN)
                 lab = acc_labels_ptr + slot64 * _LABEL_FIELDS
                 tl.store(lab + _LABEL_REQ, req, mask=ok)
                 tl.store(lab + _LABEL_TOKEN, tok.to(tl.int32), mask=ok)
-                tl.atomic_add(acc_count_ptr + slot, cnt, mask=ok)
+                tl.atomic_add(acc_count_ptr + slot, cnt, mask=ok, sem="relaxed")
 
 
 def _scatter_unique(dst: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, values: torch.Tensor) -> None:

@@ -61,6 +61,7 @@ if HAVE_TRITON:
     _META_OFFSET = tl.constexpr(L.META_OFFSET)
     _SITE_EXECUTIONS = tl.constexpr(L.SITE_EXECUTIONS)
     _SITE_ENABLED = tl.constexpr(L.SITE_ENABLED)
+    _PLAN_FIELDS = tl.constexpr(L.PLAN_FIELDS)
 
     _SIZE_ARGS = ["T", "W", "cap", "ring_rows", "acc_slots", "n_ids",
                   "stride_xt", "stride_xw", "stride_rt", "stride_rw", "stride_ids"]
@@ -77,41 +78,56 @@ if HAVE_TRITON:
     ):
         """grid = (max(1, cdiv(min(T, cap), BLOCK_R)), max(1, cdiv(W, BLOCK_W))).
 
-        Program (0, 0) bumps the execution counter; every program then reads ``enabled`` and
-        ``mode`` (two cached scalar loads) and leaves unless there is work for its tile.
+        Program (0, 0) bumps the execution counter; every program then reads ``enabled``, the
+        step's ``plan_meta`` and its own plan entries, and leaves unless there is work for its
+        tile. Those reads are all issued at once, before any of them is known: a step's capture
+        costs two dependent memory round trips (plan, then rows), where reading each value only
+        once the previous one allowed it cost five, and at decode a site's launch is mostly
+        waiting. The atomics are relaxed: nothing in the kernel waits for them, and the host
+        reads the counters after the step.
         """
         pid_r = tl.program_id(0)
         pid_w = tl.program_id(1)
         if (pid_r == 0) & (pid_w == 0):
-            tl.atomic_add(site_ptr + _SITE_EXECUTIONS, 1)
+            tl.atomic_add(site_ptr + _SITE_EXECUTIONS, 1, sem="relaxed")
         enabled = tl.load(site_ptr + _SITE_ENABLED)
         mode = tl.load(meta_ptr + _META_MODE)
+        count = tl.load(meta_ptr + _META_COUNT)
+        offset = tl.load(meta_ptr + _META_OFFSET)
+        # The program's plan entries, fields 0-3 (PLAN_ROW/REQ/POS or PLAN_SEG_START/COUNT/SLOT/
+        # REQ, by mode); within the plan's capacity, whatever the mode and count turn out to be.
+        e = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        e_ok = e < tl.minimum(T, cap)
+        plan0 = tl.load(plan_ptr + e * _PLAN_FIELDS + 0, mask=e_ok, other=-1)
+        plan1 = tl.load(plan_ptr + e * _PLAN_FIELDS + 1, mask=e_ok, other=0)
+        plan2 = tl.load(plan_ptr + e * _PLAN_FIELDS + 2, mask=e_ok, other=-1)
+        plan3 = tl.load(plan_ptr + e * _PLAN_FIELDS + 3, mask=e_ok, other=0)
         if enabled != 0:
             if mode == _MODE_ROWS:
-                count = tl.load(meta_ptr + _META_COUNT)
-                offset = tl.load(meta_ptr + _META_OFFSET)
                 n = tl.minimum(tl.minimum(tl.maximum(count, 0), tl.minimum(T, cap)),
                                ring_rows - offset)
                 if (pid_r * BLOCK_R < n) & (offset >= 0):
                     gather_rows_tile(
-                        x_ptr, res_ptr, ids_ptr, plan_ptr, ring_ptr, ring_labels_ptr,
-                        n, offset, T, cap, W, n_ids,
+                        x_ptr, res_ptr, ids_ptr, ring_ptr, ring_labels_ptr,
+                        plan0, plan1, plan2,
+                        n, offset, T, W, n_ids,
                         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
                         pid_r, pid_w, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W)
             elif (mode == _MODE_LAST) | (mode == _MODE_MEAN):
-                count = tl.load(meta_ptr + _META_COUNT)
                 n = tl.minimum(tl.maximum(count, 0), tl.minimum(T, cap))
                 if pid_r * BLOCK_R < n:
                     if mode == _MODE_LAST:
                         accumulate_segments_tile(
                             x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
-                            n, T, cap, acc_slots, W, n_ids,
+                            plan0, plan1, plan2, plan3,
+                            n, T, acc_slots, W, n_ids,
                             stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
                             pid_r, pid_w, False, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W, BLOCK_T, SHORT)
                     else:
                         accumulate_segments_tile(
                             x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
-                            n, T, cap, acc_slots, W, n_ids,
+                            plan0, plan1, plan2, plan3,
+                            n, T, acc_slots, W, n_ids,
                             stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
                             pid_r, pid_w, True, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W, BLOCK_T, SHORT)
 

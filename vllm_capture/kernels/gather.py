@@ -25,10 +25,6 @@ from .common import HAVE_TRITON, from_f32, load_rows_f32, tl, triton
 
 if HAVE_TRITON:
     # Triton only lets @jit code read module globals that are constexpr.
-    _PLAN_FIELDS = tl.constexpr(L.PLAN_FIELDS)
-    _PLAN_ROW = tl.constexpr(L.PLAN_ROW)
-    _PLAN_REQ = tl.constexpr(L.PLAN_REQ)
-    _PLAN_POS = tl.constexpr(L.PLAN_POS)
     _LABEL_FIELDS = tl.constexpr(L.LABEL_FIELDS)
     _LABEL_REQ = tl.constexpr(L.LABEL_REQ)
     _LABEL_POS = tl.constexpr(L.LABEL_POS)
@@ -37,21 +33,25 @@ if HAVE_TRITON:
 
     @triton.jit
     def gather_rows_tile(
-        x_ptr, res_ptr, ids_ptr, plan_ptr, ring_ptr, ring_labels_ptr,
-        n, offset, T, cap, W, n_ids,
+        x_ptr, res_ptr, ids_ptr, ring_ptr, ring_labels_ptr,
+        row, req, pos,
+        n, offset, T, W, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         pid_r, pid_w,
         HAS_RES: tl.constexpr, UNIT_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         """Copy plan entries ``[pid_r*BLOCK_R, +BLOCK_R) & < n`` x columns ``[pid_w*BLOCK_W, +BLOCK_W)``.
 
-        ``n`` (already clamped to the ring's end) and ``offset`` (already checked >= 0) come from
-        device memory, so the same compiled kernel and grid serve every step of a captured graph.
-        Labels are written once per row, by the ``pid_w == 0`` column block.
+        ``row``, ``req`` and ``pos`` are those entries' ``plan[PLAN_ROW]``, ``plan[PLAN_REQ]`` and
+        ``plan[PLAN_POS]`` ([BLOCK_R], read by the caller before it knew the mode, so that they
+        load alongside it). ``n`` (already clamped to the ring's end) and ``offset`` (already
+        checked >= 0) come from device memory, so the same compiled kernel and grid serve every
+        step of a captured graph. Labels are written once per row, by the ``pid_w == 0`` column
+        block.
         """
         r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < n
-        row = tl.load(plan_ptr + r * _PLAN_FIELDS + _PLAN_ROW, mask=rmask, other=-1)
+        row = tl.where(rmask, row, -1)
         row_ok = rmask & (row >= 0) & (row < T)
         row64 = row.to(tl.int64)
         cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -65,8 +65,6 @@ if HAVE_TRITON:
                  from_f32(v, ring_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
         if pid_w == 0:
-            req = tl.load(plan_ptr + r * _PLAN_FIELDS + _PLAN_REQ, mask=rmask, other=0)
-            pos = tl.load(plan_ptr + r * _PLAN_FIELDS + _PLAN_POS, mask=rmask, other=0)
             tok = tl.load(ids_ptr + row64 * stride_ids, mask=row_ok & (row < n_ids), other=_NO_TOKEN)
             lab = ring_labels_ptr + dst * _LABEL_FIELDS
             tl.store(lab + _LABEL_REQ, req, mask=rmask)

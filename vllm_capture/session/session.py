@@ -652,9 +652,11 @@ class CaptureSession:
                 meta[:, 2] = -1 if mean else acc_labels[:, 2]
                 appends[key] = (meta if live is None else meta[live], {})
             appends[key][1][layer_id] = values if live is None else values[live]
+        # The host copies of the reductions were made for this append: the store keeps them.
         for meta, rows in appends.values():
             item.stream.store.append_layers(rows, meta,
-                                            {k: item.acc.layer_names[k] for k in rows})
+                                            {k: item.acc.layer_names[k] for k in rows},
+                                            adopt=True)
 
 
 def _merge_conditions(steps: list[tuple]) -> tuple[np.ndarray | None, list]:

@@ -79,9 +79,10 @@ ALIGN = 64
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
 # Threads that populate a reply file's pages and copy its layers: one per POPULATE_BYTES of the
-# file, at most WRITE_THREADS (a small reply is written on the calling thread).
+# file, at most WRITE_THREADS (a reply under 8 MB is written on the calling thread). A thread
+# starts in about 0.1 ms; populating 4 MB of fresh pages takes about 4 ms, copying them about 1.
 WRITE_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-POPULATE_BYTES = 32 << 20
+POPULATE_BYTES = 4 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 ROWS, FREE, PROBE = PREFIX + "rows-", PREFIX + "free-", PREFIX + "probe-"
@@ -106,6 +107,15 @@ _kept: dict[tuple[int, int], mmap.mmap] = {}
 # 0.1-0.2 s per GB, so that work runs on threads of their own (munmap and unlink release the GIL):
 # off the next fetch's path in the worker, and out of the caller's ``del`` in the client.
 REAPER = "vllm-capture-reap"
+# But one munmap of a large mapping holds the process's mmap lock throughout (75-200 ms per GB on
+# the CPU VM), and every mmap or munmap of another thread waits for it: the store's allocations
+# and frees, the spare, a new reply file. On the H200, a 16 MB fetch stalled 232 ms behind the
+# close of a 1 GB mapping kept from an earlier fetch. So a reaper drops a mapping's page tables
+# UNMAP_STEP bytes at a time (MADV_DONTNEED: the data stays in the file), each call holding the
+# lock for well under a millisecond, and closes it once nothing is mapped (measured on the CPU VM:
+# an mmap on another thread waited at most 1.6 ms instead of 83 ms).
+UNMAP_STEP = 8 << 20
+_MADV_DONTNEED = 4  # linux/mman.h
 
 _probe: dict[str, str] | None = None
 _pooled: set[str] = set()  # files this client put in the pool, deleted at exit
@@ -454,7 +464,7 @@ def _reap(maps: list[mmap.mmap] = (), paths: list[str] = ()) -> None:
 
     def work():
         for mapped in maps:
-            _close(mapped)
+            _unmap(mapped)
         for path in paths:
             _remove(path)
 
@@ -475,6 +485,19 @@ def _pool_cap() -> int:
         return 0
     st = os.statvfs(SHM_DIR)
     return min(POOL_BYTES, st.f_blocks * st.f_frsize // 4)
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    """Close ``mapped`` without holding the mmap lock for long (see ``UNMAP_STEP``)."""
+    try:
+        base = _address(mapped)
+    except (BufferError, ValueError, TypeError):  # closed already, or exported
+        base = None
+    if base is not None:
+        for start in range(0, len(mapped), UNMAP_STEP):
+            if _libc.madvise(base + start, min(UNMAP_STEP, len(mapped) - start), _MADV_DONTNEED):
+                break  # the close below unmaps the rest at once
+    _close(mapped)
 
 
 def _close(mapped: mmap.mmap | None) -> None:

@@ -122,35 +122,44 @@ def serialize_capture_layer(
         host = host.view(torch.int16)
     data = host.numpy().astype(WIRE_RAW_DTYPES[tensor.dtype], copy=False).tobytes()
     return encode_capture_layer(
-        tensor.dtype, (rows, width), data, meta.detach().cpu().numpy(), req_table, layer_name
+        tensor.dtype, (rows, width), data,
+        encode_capture_labels(meta.detach().cpu().numpy(), req_table), layer_name
     )
+
+
+def encode_capture_labels(
+    labels: np.ndarray, req_table: Mapping[int, str] | list[str]
+) -> dict[str, Any]:
+    """The wire form of int32 ``[rows, 3]`` labels (see :func:`serialize_capture_layer`): the
+    ``"meta"`` of a layer's wire dict. Layers with the same labels may share one (every layer of
+    a reduction does), as nothing writes to it."""
+    table, req_idx = _compact_requests(labels[:, 0], req_table)
+    return {
+        "req_table": table,
+        "req_idx": req_idx.tobytes(),
+        "positions": np.ascontiguousarray(labels[:, 1], dtype=_LABEL).tobytes(),
+        "token_ids": np.ascontiguousarray(labels[:, 2], dtype=_LABEL).tobytes(),
+    }
 
 
 def encode_capture_layer(
     dtype: torch.dtype,
     shape: tuple[int, int],
     data: Any,
-    labels: np.ndarray,
-    req_table: Mapping[int, str] | list[str],
+    meta: dict[str, Any],
     layer_name: str,
 ) -> dict[str, Any]:
     """The wire dict of one layer whose rows are already encoded: ``data`` holds the
     ``shape`` rows of ``dtype`` in the raw layout of ``WIRE_RAW_DTYPES`` (bytes, or an object
     the caller turns into bytes before sending: ``StreamStore.serialize(raw_data=True)``),
-    ``labels`` their int32 ``[rows, 3]`` labels (see :func:`serialize_capture_layer`)."""
-    table, req_idx = _compact_requests(labels[:, 0], req_table)
+    ``meta`` their labels (:func:`encode_capture_labels`)."""
     return {
         "encoding": "raw",
         "dtype": _WIRE_NAMES[dtype],
         "shape": [int(shape[0]), int(shape[1])],
         "data": data,
         "layer_name": str(layer_name),
-        "meta": {
-            "req_table": table,
-            "req_idx": req_idx.tobytes(),
-            "positions": np.ascontiguousarray(labels[:, 1], dtype=_LABEL).tobytes(),
-            "token_ids": np.ascontiguousarray(labels[:, 2], dtype=_LABEL).tobytes(),
-        },
+        "meta": meta,
     }
 
 
