@@ -17,6 +17,7 @@ one missing its residual) is detected.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import time
@@ -661,6 +662,8 @@ def test_capacity_example_with_stream_status():
     check_rows(ref, rows, {(reqs[0].rid, q) for q in range(4)} | {(reqs[1].rid, 0)})
     timers = engine.session.stream_status(HS)["host_timers"]
     assert timers["fetch_wait_ms"] > 0 and timers["fetch_serialize_ms"] > 0
+    gc.collect()  # a pause of the whole process, counted where no stage explains it
+    assert engine.session.stream_status(HS)["host_timers"]["gc_ms"] > timers["gc_ms"] >= 0
 
 
 # ---- 3. budget_rows ------------------------------------------------------------------------------

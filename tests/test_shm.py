@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from types import SimpleNamespace
 
@@ -288,6 +289,18 @@ def test_the_file_is_populated_in_ranges_on_several_threads(monkeypatch):
     assert threading.current_thread().name not in {name for _, _, name in calls}
     want = deserialize_captured(shm.write_reply(_reply(_store(width=2000)), shared=False)["layers"])
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
+
+
+def test_a_shared_write_reports_its_parts_and_a_bytes_reply_none():
+    parts: dict[str, float] = {}
+    t0 = time.perf_counter()
+    shm.write_reply(_reply(_store()), parts=parts)
+    took = time.perf_counter() - t0
+    assert set(parts) == set(shm.WRITE_PARTS) and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) <= took
+    unshared: dict[str, float] = {}
+    shm.write_reply(_reply(_store()), shared=False, parts=unshared)
+    assert unshared == {}
 
 
 def test_a_failed_copy_leaves_no_file():

@@ -196,8 +196,11 @@ class CaptureWorkerExtension:
         t0 = time.perf_counter()
         # Rows go through shared memory only when this worker can read the client's probe file.
         shared, owner = shm.worker_sees(shm_probe), shm.client_pid(shm_probe)
-        reply = shm.write_reply(reply, shared=shared, owner=owner)
+        parts: dict[str, float] = {}
+        reply = shm.write_reply(reply, shared=shared, owner=owner, parts=parts)
         session.add_host_time("fetch_write", time.perf_counter() - t0)
+        for part, seconds in parts.items():
+            session.add_host_time(f"fetch_write_{part}", seconds)
         # This client's next fetch finds its reply file populated while the rows arrived.
         session.on_stored = (functools.partial(shm.want_spare, owner=owner) if shared and owner
                              else None)

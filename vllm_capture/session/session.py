@@ -13,6 +13,7 @@ request's label index is only recycled after every row of it has been stored.
 from __future__ import annotations
 
 import atexit
+import gc
 import inspect
 import json
 import logging
@@ -35,6 +36,7 @@ from vllm_capture.selection import (
     plan_segments,
 )
 from vllm_capture.session.components import COMPONENTS
+from vllm_capture.session.shm import WRITE_PARTS
 from vllm_capture.session.config import StreamConfig
 from vllm_capture.session.store import StreamStore
 
@@ -50,6 +52,26 @@ EXTRA_ARGS_KEY = "capture"
 HARVEST_BATCH_BYTES = 32 << 20
 HARVEST_BATCH_ITEMS = 64
 HARVEST_IDLE_S = 0.02
+
+
+class _GCTimer:
+    """Seconds this process spent in Python's garbage collector (every thread waits for it), for
+    ``host_timers["gc_ms"]``: a collection of a large heap is a pause no stage timer explains."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._start: float | None = None
+        gc.callbacks.append(self._phase)
+
+    def _phase(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+
+_gc_timer = _GCTimer()
 
 
 @dataclass
@@ -145,11 +167,15 @@ class CaptureSession:
         # "harvest_sync" waited for device-to-host copies to finish. The fetch_*
         # stages are a fetch's, in the worker: reductions still open, enqueueing the copy of the
         # rings' pending rows, waiting for the harvest thread to store everything, planning the
-        # rows (serialize) and copying them out (write, timed by the caller).
+        # rows (serialize) and copying them out (write, timed by the caller), of which write_file
+        # found and prepared the reply file, write_copy copied the rows and write_keep kept or
+        # let go of mappings (shm.WRITE_PARTS).
         self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
                         "harvest_sync": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
-                        "fetch_serialize": 0.0, "fetch_write": 0.0}
+                        "fetch_serialize": 0.0, "fetch_write": 0.0,
+                        **{f"fetch_write_{part}": 0.0 for part in WRITE_PARTS}}
+        self._gc_baseline = _gc_timer.seconds
         self._host_steps = 0
         # Told, after the harvest thread stores rows, the most bytes one active stream holds:
         # about the size of the next fetch (the worker prepares its reply file, shm.want_spare).
@@ -270,7 +296,8 @@ class CaptureSession:
             # Capture nodes in captured graphs, and how many are switched off (idle sites).
             "graph_nodes": (None if gs is None or gs.nodes is None else gs.nodes.status()),
             "host_timers": {"steps": self._host_steps,
-                            **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()}},
+                            **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()},
+                            "gc_ms": round((_gc_timer.seconds - self._gc_baseline) * 1e3, 3)},
         }
         st = self._streams[stream]
         hooked = len(self.hooked_layers(stream))

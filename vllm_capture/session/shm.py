@@ -209,12 +209,17 @@ def worker_sees(probe: Any) -> bool:
         return False
 
 
-def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = None
-                ) -> dict[str, Any]:
+# Parts of a reply file's write, timed for the caller (``write_reply(parts=...)``): finding and
+# preparing the file (pool, spare or new; populating it), copying the rows, keeping the mapping.
+WRITE_PARTS = ("file", "copy", "keep")
+
+
+def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = None,
+                parts: dict[str, float] | None = None) -> dict[str, Any]:
     """Make a fetch reply msgpack-safe, in place: the layers' rows (``FetchedRows``, from
     ``StreamStore.serialize(raw_data=True)``) are copied once, into one shared-memory file named
     for the client ``owner`` (its pid, :func:`client_pid`), when ``shared`` and there is room;
-    into bytes otherwise."""
+    into bytes otherwise. ``parts`` gains the seconds of each of ``WRITE_PARTS`` spent."""
     layers = list((reply.get("layers") or {}).values())
     sizes = [info["data"].nbytes for info in layers]
     # Each layer starts on a cache line, so its rows are aligned for any wire dtype.
@@ -224,7 +229,8 @@ def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = 
     total = offsets[-1] + sizes[-1] if sizes else 0
     path = None
     if shared and total:
-        path = _write_file([info["data"] for info in layers], offsets, total, owner)
+        path = _write_file([info["data"] for info in layers], offsets, total, owner,
+                           {} if parts is None else parts)
     if path is None:
         for info in layers:
             info["data"] = info["data"].tobytes()
@@ -236,10 +242,12 @@ def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = 
     return reply
 
 
-def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None) -> str | None:
+def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None,
+                parts: dict[str, float]) -> str | None:
     """A file for the client ``owner``, of at least ``total`` bytes (a pooled one, else the
     spare, else a new one), with each block's rows copied in at its offset, through one mapping;
-    None (and no file) when there is not room."""
+    None (and no file) when there is not room. Adds the seconds of ``WRITE_PARTS`` to ``parts``."""
+    t0 = time.perf_counter()
     prefix = f"{ROWS}{owner}-" if owner else ROWS
     spare = None
     path = _claim_pooled(total, prefix)
@@ -283,10 +291,14 @@ def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None)
                 size = max(total, info.st_size)
         finally:
             os.close(fd)
+        t1 = time.perf_counter()
         _each(pool, lambda block, offset: block.copy_into(
             memoryview(mapped)[offset: offset + block.nbytes]),
             [(b, o) for b, o in zip(blocks, offsets) if b.nbytes])
+        t2 = time.perf_counter()
         _keep(key, mapped, size)
+        for part, seconds in zip(WRITE_PARTS, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+            parts[part] = parts.get(part, 0.0) + seconds
     except BaseException as exc:
         _close(mapped)
         _remove(path)
