@@ -839,6 +839,30 @@ def test_reduce_last_and_mean_example():
         assert engine.session.stream_status(ref.component)["pending_reductions"] == 0
 
 
+def test_reductions_finalized_in_several_steps_are_stored_as_one_chunk_per_layer(monkeypatch):
+    """Reductions the harvest thread stores together go into one append: a fetch then takes each
+    layer's rows whole (one chunk), with the same rows and labels as one append per step."""
+    import vllm_capture.session.session as session_module
+
+    monkeypatch.setattr(session_module, "HARVEST_IDLE_S", 60.0)  # store only when asked
+    engine = Engine(acc_slots=3)
+    ref = RefStream(HS, 3, reduce="last")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="last")
+    a, b, c = (Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4, 4], gen=[1, 2]),
+               Req(num=2, prompt=[2], gen=[0, 0, 0]))
+    engine.step([(a, 2), (b, 3), (c, 1)])
+    engine.step([(a, 1), (b, 1), (c, 1)])  # a finishes
+    engine.step([(b, 1), (c, 1)])  # b finishes
+    engine.step([(c, 1)])  # c finishes
+    engine.step([])
+    assert a.done and b.done and c.done
+    engine.session.stream_status(HS)  # stores what the harvest thread holds
+    store = engine.session._streams[HS].store
+    assert store.chunks and all(len(chunks) == 1 for chunks in store.chunks.values())
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid, c.rid])
+
+
 def test_on_stored_hears_the_largest_active_streams_bytes_after_each_harvest():
     """The worker grows its spare reply file (shm.want_spare) from these reports."""
     engine = Engine()

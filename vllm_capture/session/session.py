@@ -629,14 +629,16 @@ class CaptureSession:
                 drained.setdefault(key, []).append((item, tensors, labels))
         for parts in drained.values():
             item = parts[0][0]
-            labels = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
-            tensors = {layer: (torch.cat([p[1][layer] for p in parts]) if len(parts) > 1
-                               else parts[0][1][layer]) for layer in parts[0][1]}
+            labels = _joined([p[2] for p in parts])
+            tensors = {layer: _joined([p[1][layer] for p in parts]) for layer in parts[0][1]}
             # The store copies into memory it owns, so pinned staging is released after this.
             item.stream.store.append_layers(tensors, labels, item.rows.layer_names)
+        reduced: dict[int, list[_Reduced]] = {}
         for item in batch:
             if isinstance(item, _Reduced):
-                self._store_reduced(item)
+                reduced.setdefault(id(item.stream), []).append(item)
+        for items in reduced.values():
+            self._store_reduced(items)
         for item in batch:
             if isinstance(item, _Finish):
                 item.store.finish_request(item.req_id)
@@ -659,31 +661,48 @@ class CaptureSession:
             tensors = {layer_id: tensor[keep] for layer_id, tensor in tensors.items()}
         return tensors, labels
 
-    def _store_reduced(self, item: _Reduced) -> None:
-        mean = item.stream.config.reduce == "mean"
-        self._wait_copy(item.acc)
-        req_index = torch.tensor(item.req_index, dtype=torch.int32)
-        positions = torch.tensor(item.positions, dtype=torch.int32)
-        # Layers with the same labels and the same reductions holding rows (in practice every
-        # layer of the stream) go into the store in one append: labels checked and rows grouped
-        # by request once, not once per layer.
-        appends: dict[tuple, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
-        for layer_id, (values, acc_labels, counts) in item.acc.layers.items():
-            empty = counts == 0
-            live = ~empty if bool(empty.any()) else None  # None: every reduction holds rows
-            key = (id(acc_labels), None if live is None else live.numpy().tobytes())
-            if key not in appends:
-                meta = torch.empty((len(item.req_ids), 3), dtype=torch.int32)
-                meta[:, 0] = req_index
-                meta[:, 1] = positions
-                meta[:, 2] = -1 if mean else acc_labels[:, 2]
-                appends[key] = (meta if live is None else meta[live], {})
-            appends[key][1][layer_id] = values if live is None else values[live]
-        # The host copies of the reductions were made for this append: the store keeps them.
-        for meta, rows in appends.values():
-            item.stream.store.append_layers(rows, meta,
-                                            {k: item.acc.layer_names[k] for k in rows},
-                                            adopt=True)
+    def _store_reduced(self, items: list[_Reduced]) -> None:
+        """Store one stream's finalized reductions, in queue order. Layers holding rows for the
+        same requests (in practice every layer of the stream) go into the store in one append
+        for all of ``items``: labels checked and rows grouped by request once, not once per layer
+        and step, and each layer's rows of a generate land in one chunk, which a fetch takes
+        whole."""
+        stream = items[0].stream
+        mean = stream.config.reduce == "mean"
+        # layer -> [(which rows: item and labels, live mask), labels of those rows, rows]
+        parts: dict[int, list[tuple[tuple, torch.Tensor, torch.Tensor]]] = {}
+        names: dict[int, str] = {}
+        for n, item in enumerate(items):
+            self._wait_copy(item.acc)
+            req_index = torch.tensor(item.req_index, dtype=torch.int32)
+            positions = torch.tensor(item.positions, dtype=torch.int32)
+            metas: dict[tuple, torch.Tensor] = {}
+            for layer_id, (values, acc_labels, counts) in item.acc.layers.items():
+                empty = counts == 0
+                live = ~empty if bool(empty.any()) else None  # None: every reduction holds rows
+                key = (n, id(acc_labels), None if live is None else live.numpy().tobytes())
+                if key not in metas:
+                    meta = torch.empty((len(item.req_ids), 3), dtype=torch.int32)
+                    meta[:, 0] = req_index
+                    meta[:, 1] = positions
+                    meta[:, 2] = -1 if mean else acc_labels[:, 2]
+                    metas[key] = meta if live is None else meta[live]
+                parts.setdefault(layer_id, []).append(
+                    (key, metas[key], values if live is None else values[live]))
+                names[layer_id] = item.acc.layer_names[layer_id]
+        appends: dict[tuple, tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]] = {}
+        for layer_id, entries in parts.items():
+            keys = tuple(key for key, _, _ in entries)
+            if keys not in appends:
+                appends[keys] = ([meta for _, meta, _ in entries], {})
+            appends[keys][1][layer_id] = [rows for _, _, rows in entries]
+        for metas_of, rows_of in appends.values():
+            stream.store.append_layers(
+                {layer: _joined(rows) for layer, rows in rows_of.items()}, _joined(metas_of),
+                {layer: names[layer] for layer in rows_of})
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _merge_conditions(steps: list[tuple]) -> tuple[np.ndarray | None, list]:

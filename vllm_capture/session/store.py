@@ -391,7 +391,6 @@ class StreamStore:
         rows: dict[int, torch.Tensor],
         meta: torch.Tensor,
         layer_names: dict[int, str],
-        adopt: bool = False,
     ) -> None:
         """Store drained host rows of one engine step: one chunk per layer, one set of labels.
 
@@ -402,10 +401,6 @@ class StreamStore:
         may reuse its (pinned) buffers as soon as this returns. Rows of failed or cache-elided
         requests are discarded; rows past a layer's budget are dropped (the first rows in row
         order are kept) and counted in ``tokens_dropped``.
-
-        With ``adopt`` the caller hands its tensors over (host copies made for this append
-        alone, such as finalized reductions): a layer whose rows are all kept, in order and in
-        their own dtype, is stored as it is instead of copied into fresh memory.
         """
         with self.lock:
             for layer_id, tensor in rows.items():
@@ -435,8 +430,7 @@ class StreamStore:
                     layouts[keep] = self._chunk_layout(labels, unblocked, keep)
                 dtype = tensor.dtype if self.config.dtype is None else self.config.dtype
                 takes.append((layer_id, tensor.detach(), layouts[keep], dtype))
-            copies = _copy_all([(source, layout[0], dtype) for _, source, layout, dtype in takes],
-                               adopt)
+            copies = _copy_all([(source, layout[0], dtype) for _, source, layout, dtype in takes])
             for (layer_id, _, layout, dtype), copy in zip(takes, copies):
                 _, chunk_meta, reqs, starts, lens = layout
                 self._add_chunk(layer_id, _Chunk(copy, chunk_meta, reqs, starts, lens))
@@ -1004,34 +998,19 @@ def _run_starts(values: np.ndarray) -> np.ndarray:
     return np.flatnonzero(change)
 
 
-def _copy_all(takes: list[tuple[torch.Tensor, np.ndarray | slice, torch.dtype]],
-              adopt: bool = False) -> list[torch.Tensor]:
+def _copy_all(takes: list[tuple[torch.Tensor, np.ndarray | slice, torch.dtype]]
+              ) -> list[torch.Tensor]:
     """``_take(*take)`` for each take: on ``APPEND_THREADS`` threads when they copy at least
     ``_PARALLEL_APPEND`` bytes. Rows arriving in an empty store land in fresh memory, whose
-    first-touch page faults cost 1-2 GB/s per thread (torch and numpy copies release the GIL).
-    With ``adopt``, a take of all of a contiguous source's rows in its own dtype is the source."""
+    first-touch page faults cost 1-2 GB/s per thread (torch and numpy copies release the GIL)."""
     global _append_pool
-    out: list[torch.Tensor | None] = [
-        source if adopt and _whole(source, rows, dtype) else None for source, rows, dtype in takes]
-    todo = [i for i, kept in enumerate(out) if kept is None]
-    nbytes = sum(_rows(takes[i][1]) * takes[i][0].shape[1] * takes[i][0].element_size()
-                 for i in todo)
-    if len(todo) < 2 or nbytes < _PARALLEL_APPEND or APPEND_THREADS < 2:
-        copies = [_take(*takes[i]) for i in todo]
-    else:
-        if _append_pool is None:
-            _append_pool = concurrent.futures.ThreadPoolExecutor(APPEND_THREADS,
-                                                                 "vllm-capture-store")
-        copies = list(_append_pool.map(lambda i: _take(*takes[i]), todo))
-    for i, copy in zip(todo, copies):
-        out[i] = copy
-    return out
-
-
-def _whole(source: torch.Tensor, rows: np.ndarray | slice, dtype: torch.dtype) -> bool:
-    """Whether ``rows`` are all of ``source``'s, in order, and it is kept as it is."""
-    return (isinstance(rows, slice) and rows.start == 0 and rows.stop == source.shape[0]
-            and source.dtype == dtype and source.is_contiguous())
+    nbytes = sum(_rows(rows) * source.shape[1] * source.element_size()
+                 for source, rows, _ in takes)
+    if len(takes) < 2 or nbytes < _PARALLEL_APPEND or APPEND_THREADS < 2:
+        return [_take(*take) for take in takes]
+    if _append_pool is None:
+        _append_pool = concurrent.futures.ThreadPoolExecutor(APPEND_THREADS, "vllm-capture-store")
+    return list(_append_pool.map(lambda take: _take(*take), takes))
 
 
 def _rows(rows: np.ndarray | slice) -> int:
