@@ -701,6 +701,30 @@ def test_a_fetch_larger_than_the_pool_cap_grows_the_spare_within_its_one_mapping
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
 
+def test_a_fetch_stops_the_spare_growing_until_rows_arrive_again(monkeypatch):
+    """While a fetch writes (here into a pooled file), the spare's populating, which holds the
+    mmap lock the write's munmaps need, stops after its current step; the next report of stored
+    rows resumes it."""
+    first, _ = _fetch(_store(seed=1))
+    del first
+    gc.collect()
+    assert _pool()
+    real = shm._populate_range
+    monkeypatch.setattr(shm, "SPARE_STEP", mmap.PAGESIZE)
+    monkeypatch.setattr(shm, "_populate_range",
+                        lambda address, length: time.sleep(0.01) or real(address, length))
+    shm.want_spare(64 * mmap.PAGESIZE, owner=os.getpid())
+    spare = shm._spare
+    reply = shm.write_reply(_reply(_store(seed=2)), owner=os.getpid())
+    assert reply["shm_path"] != spare.path  # the pooled file served it
+    frozen = _spare_settled().ready  # at most the step under way when the fetch began
+    assert frozen <= spare.target + mmap.PAGESIZE and frozen < 64 * mmap.PAGESIZE
+    assert spare.thread is None
+    shm.want_spare(64 * mmap.PAGESIZE, owner=os.getpid())
+    assert _spare_settled().ready >= 64 * mmap.PAGESIZE > frozen
+    shm.read_replies([reply])
+
+
 def test_a_spare_serves_only_its_client_and_goes_when_capture_stops():
     other = os.getppid()
     shm.want_spare(1 << 20, owner=other)
