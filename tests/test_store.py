@@ -463,6 +463,41 @@ def test_fetch_many_requests_from_many_shared_chunks_in_registration_order():
     assert labels[0] == [(names[i], step) for i in (1, 2) for step in range(4)]
 
 
+def _multi_step_chunks(requests=12, steps_per_chunk=5, chunks=4):
+    """A decode-like layer: each chunk holds several steps of every request (spans of
+    ``steps_per_chunk`` rows), the requests' rows of a step in shuffled order."""
+    store = StreamStore(StreamConfig(budget_rows=10_000))
+    indices = [store.request_index(f"r{i}") for i in range(requests)]
+    rng = random.Random(3)
+    for c in range(chunks):
+        pairs = [(indices[i], c * steps_per_chunk + s) for s in range(steps_per_chunk)
+                 for i in rng.sample(range(requests), requests)]
+        store.append(0, *_interleaved(pairs), "l0")
+    return store
+
+
+@pytest.mark.parametrize("req_ids", [None, ["r11", "r0", "r3", "r4", "r5", "r6", "r7", "r8",
+                                            "r9", "r10"]])
+def test_scattered_and_span_by_span_gathers_fetch_the_same_rows(monkeypatch, req_ids):
+    """The two ways a fetch gathers a layer (span by span, or each chunk at once) give the same
+    rows and labels, in registration then append order."""
+    results, real = [], StreamStore._scatter
+    for threshold in (0, 1 << 30):  # never scatter; scatter whenever spans are many per chunk
+        monkeypatch.setattr(store_module, "_SCATTER_SPAN_BYTES", threshold)
+        seen = []
+        monkeypatch.setattr(StreamStore, "_scatter",
+                            staticmethod(lambda *a: seen.append(1) or real(*a)))
+        labels, tensors = _fetch(_multi_step_chunks(), req_ids=req_ids)
+        results.append((labels, tensors, bool(seen)))
+    (labels, tensors, scattered_first), (labels2, tensors2, scattered) = results
+    assert not scattered_first and scattered
+    names = req_ids or [f"r{i}" for i in range(12)]
+    order = sorted(names, key=lambda n: int(n[1:]))
+    assert labels[0] == labels2[0] == [(n, p) for n in order for p in range(20)]
+    assert torch.equal(tensors[0], tensors2[0])
+    assert tensors[0][:, 0].tolist() == [float(p) for _ in order for p in range(20)]
+
+
 def test_large_blocks_copy_through_torch_with_the_same_results():
     """Blocks of 2 MiB and more take torch's copies instead of numpy's."""
     store = StreamStore(StreamConfig(budget_rows=10_000))
