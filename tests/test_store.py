@@ -305,9 +305,10 @@ def test_layers_with_one_set_of_labels_share_their_encoded_labels_and_others_kee
         store.append(2, values, meta, "l2")
     wire = store.serialize()
     assert wire[0]["meta"] is wire[1]["meta"] and wire[2]["meta"] is not wire[0]["meta"]
-    tensors, metas = deserialize_captured(wire)
-    assert [list(zip(metas[layer].req_ids, metas[layer].positions.tolist())) for layer in (0, 1, 2)] \
-        == [[("a", 1), ("b", 1)]] * 2 + [[("a", 2), ("b", 3)]]
+    _, metas = deserialize_captured(wire)
+    labels = [list(zip(metas[layer].req_ids, metas[layer].positions.tolist()))
+              for layer in (0, 1, 2)]
+    assert labels == [[("a", 1), ("b", 1)]] * 2 + [[("a", 2), ("b", 3)]]
 
 
 ROW_BYTES = WIDTH * 4 + 3 * 4  # float32 values plus int32 labels

@@ -36,8 +36,8 @@ from vllm_capture.selection import (
     plan_segments,
 )
 from vllm_capture.session.components import COMPONENTS
-from vllm_capture.session.shm import WRITE_PARTS
 from vllm_capture.session.config import StreamConfig
+from vllm_capture.session.shm import WRITE_PARTS
 from vllm_capture.session.store import StreamStore
 
 logger = logging.getLogger("vllm_capture")
@@ -168,8 +168,8 @@ class CaptureSession:
         # stages are a fetch's, in the worker: reductions still open, enqueueing the copy of the
         # rings' pending rows, waiting for the harvest thread to store everything, planning the
         # rows (serialize) and copying them out (write, timed by the caller), of which write_file
-        # found and prepared the reply file, write_copy copied the rows and write_keep kept or
-        # let go of mappings (shm.WRITE_PARTS).
+        # found and prepared the reply file, write_copy copied the rows, write_keep kept or let
+        # go of mappings and write_release let go of the rows' sources (shm.WRITE_PARTS).
         self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
                         "harvest_sync": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
@@ -700,6 +700,7 @@ class CaptureSession:
             stream.store.append_layers(
                 {layer: _joined(rows) for layer, rows in rows_of.items()}, _joined(metas_of),
                 {layer: names[layer] for layer in rows_of})
+
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

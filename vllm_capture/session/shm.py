@@ -109,11 +109,10 @@ _kept: dict[tuple[int, int], mmap.mmap] = {}
 REAPER = "vllm-capture-reap"
 # But one munmap of a large mapping holds the process's mmap lock throughout (75-200 ms per GB on
 # the CPU VM), and every mmap or munmap of another thread waits for it: the store's allocations
-# and frees, the spare, a new reply file. On the H200, a 16 MB fetch stalled 232 ms behind the
-# close of a 1 GB mapping kept from an earlier fetch. So a reaper drops a mapping's page tables
-# UNMAP_STEP bytes at a time (MADV_DONTNEED: the data stays in the file), each call holding the
-# lock for well under a millisecond, and closes it once nothing is mapped (measured on the CPU VM:
-# an mmap on another thread waited at most 1.6 ms instead of 83 ms).
+# and frees, the spare, a new reply file. So a reaper drops a mapping's page tables UNMAP_STEP
+# bytes at a time (MADV_DONTNEED: the data stays in the file), each call holding the lock for
+# well under a millisecond, and closes it once nothing is mapped (on the CPU VM, while a 1 GiB
+# mapping closed, an mmap on another thread waited at most 1.6 ms instead of 83 ms).
 UNMAP_STEP = 8 << 20
 _MADV_DONTNEED = 4  # linux/mman.h
 
@@ -210,8 +209,9 @@ def worker_sees(probe: Any) -> bool:
 
 
 # Parts of a reply file's write, timed for the caller (``write_reply(parts=...)``): finding and
-# preparing the file (pool, spare or new; populating it; the worker adds its probe check), copying the rows, keeping the mapping,
-# and letting go of the rows' sources once they are in the file.
+# preparing the file (pool, spare or new; populating it; the worker adds its probe check),
+# copying the rows, keeping the mapping, and letting go of the rows' sources once they are in
+# the file.
 WRITE_PARTS = ("file", "copy", "keep", "release")
 
 
