@@ -725,6 +725,27 @@ def test_a_fetch_stops_the_spare_growing_until_rows_arrive_again(monkeypatch):
     shm.read_replies([reply])
 
 
+def test_no_spare_grows_while_a_pooled_file_could_carry_the_rows(monkeypatch):
+    """Generate after generate of one size, the pool serves every fetch: the spare is not made,
+    and it is made once the rows outgrow every pooled file."""
+    monkeypatch.setattr(shm, "POOL_SLACK_BYTES", 0)
+    first, _ = _fetch(_store(seed=1))
+    del first
+    gc.collect()
+    (pooled,) = _pool()
+    path = os.path.join(shm.SHM_DIR, pooled)
+    size, inode = os.path.getsize(path), _inode(path)
+    shm.want_spare(size, owner=os.getpid())
+    assert shm._spare is None
+    reply = shm.write_reply(_reply(_store(seed=2)), owner=os.getpid())
+    assert _inode(reply["shm_path"]) == inode and not _pool()  # the pooled file, claimed
+    shm.read_replies([reply])
+    del reply
+    gc.collect()
+    shm.want_spare(size * shm.POOL_SLACK + 1, owner=os.getpid())  # too small a file for these
+    assert _spare_settled().ready >= size * shm.POOL_SLACK + 1
+
+
 def test_a_spare_serves_only_its_client_and_goes_when_capture_stops():
     other = os.getppid()
     shm.want_spare(1 << 20, owner=other)

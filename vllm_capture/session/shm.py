@@ -380,7 +380,9 @@ class _Spare:
 def want_spare(nbytes: int, owner: int) -> None:
     """The worker's store holds ``nbytes`` for the client ``owner``: grow the spare to a quarter
     more (within the pool's cap and half the free space of ``/dev/shm``), in the background. A
-    spare of another client is discarded."""
+    spare of another client is discarded. While a pooled file could carry those rows (generate
+    after generate of one size), the spare does not grow: the fetch will not need it, and its
+    populating would take memory and hold the mmap lock for nothing."""
     global _spare
     try:
         cap = _pool_cap()
@@ -395,6 +397,8 @@ def want_spare(nbytes: int, owner: int) -> None:
         spare = _spare
     if old is not None:
         old.discard()
+    if _pool_serves(nbytes):
+        return
     if spare is None:
         if target <= 0:
             return
@@ -602,6 +606,20 @@ def _populate_range(address: int, length: int) -> int:
     return ctypes.get_errno()
 
 
+def _serves(size: int, total: int) -> bool:
+    """Whether a file of ``size`` bytes may carry a reply of ``total``: it holds it and is not
+    ``POOL_SLACK`` times larger (plus ``POOL_SLACK_BYTES``)."""
+    return total <= size <= POOL_SLACK * total + POOL_SLACK_BYTES
+
+
+def _pool_serves(total: int) -> bool:
+    """Whether a pooled file could carry a reply of ``total`` bytes now."""
+    try:
+        return any(_serves(info.st_size, total) for _, info in _files(FREE))
+    except OSError:
+        return False
+
+
 def _claim_pooled(total: int, prefix: str) -> str | None:
     """Take the smallest pooled file that holds ``total`` bytes (renamed to ``prefix*``), or None."""
     try:
@@ -609,7 +627,7 @@ def _claim_pooled(total: int, prefix: str) -> str | None:
     except OSError:
         return None
     fitting = sorted((info.st_size, path) for path, info in pooled
-                     if total <= info.st_size <= POOL_SLACK * total + POOL_SLACK_BYTES)
+                     if _serves(info.st_size, total))
     for _, path in fitting:
         claimed = os.path.join(SHM_DIR, prefix + secrets.token_hex(8))
         try:
