@@ -427,9 +427,8 @@ def want_spare(nbytes: int, owner: int) -> None:
 def _freeze_spare() -> None:
     """A fetch is writing: the spare stops growing after its current step, until rows arrive
     again (``want_spare``). The rows it grew for are leaving, and each of its populate calls
-    holds the mmap lock for a step (about 2 ms), which every munmap of the write waits for (on the
-    H200, a 16 MB fetch served by a pooled file, with the spare growing beside it, once spent
-    19 ms freeing its sources: the likely cause, not yet confirmed there)."""
+    holds the mmap lock for a step (about 2 ms), which every munmap of the write (freeing the
+    rows' sources) would wait for."""
     with _spare_lock:
         if _spare is not None:
             _spare.target = _spare.ready
