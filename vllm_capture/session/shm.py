@@ -519,14 +519,16 @@ def _pool_cap() -> int:
 
 
 def _unmap(mapped: mmap.mmap) -> None:
-    """Close ``mapped`` without holding the mmap lock for long (see ``UNMAP_STEP``)."""
+    """Close ``mapped`` without holding the mmap lock for long (see ``UNMAP_STEP``). Only the
+    part within the file's size can hold pages: a spare's mapping spans half of ``/dev/shm``."""
     try:
         base = _address(mapped)
-    except (BufferError, ValueError, TypeError):  # closed already, or exported
+        length = min(len(mapped), mapped.size())
+    except (BufferError, ValueError, TypeError, OSError):  # closed already, or exported
         base = None
     if base is not None:
-        for start in range(0, len(mapped), UNMAP_STEP):
-            if _libc.madvise(base + start, min(UNMAP_STEP, len(mapped) - start), _MADV_DONTNEED):
+        for start in range(0, length, UNMAP_STEP):
+            if _libc.madvise(base + start, min(UNMAP_STEP, length - start), _MADV_DONTNEED):
                 break  # the close below unmaps the rest at once
     _close(mapped)
 
