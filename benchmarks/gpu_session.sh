@@ -2,8 +2,8 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
-#   /tmp/*.pt files of the same warm machine; MODEL, for bench-full and startup: 8b | 1b | moe | tiny |
+#   SET: dense | verify | moe | tp | profile | extract | fetch | replay | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
 SET=${1:-dense}
@@ -94,6 +94,14 @@ PY
     done
     python3 benchmarks/fetch_path.py --layers 48 --width 128 --steps 287 --steps-per-drain 82 --runs 3 \
       2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
+    ;;
+  replay)
+    # One decode step's graph replayed alone (benchmarks/graph_replay.py): the capture engine's
+    # graph in its idle states and stripped of capture nodes, then a vanilla engine's.
+    for e in capture vanilla; do
+      timeout 280 python3 benchmarks/graph_replay.py --model ${2:-8b} --engine $e --out "$OUT" >"$OUT/replay_$e.log" 2>&1
+      echo "replay $e rc=$? $(grep -E '^\{' "$OUT/replay_$e.log" | tail -1 | cut -c1-1500)"
+    done
     ;;
   startup)
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.

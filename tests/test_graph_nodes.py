@@ -1,114 +1,134 @@
-"""graph_nodes: which capture nodes of captured CUDA graphs are switched off, and when.
+"""graph_nodes: which copy of each captured CUDA graph replays run, without which capture nodes.
 
-The driver is a fake that keeps each (graph exec, node)'s enabled state the way the CUDA driver
-does (enabled unless set otherwise) and can be told to fail; the graphs are fakes with torch's
-CUDAGraph methods. The real driver calls run on the H200 (``tests/gpu/gpu_checks.py``)."""
+The driver is a fake that records the copies it makes (graph, nodes left out) and which it
+destroys, and can be told to fail; the graphs are fakes with torch's CUDAGraph methods. The real
+driver calls run on the H200 (``tests/gpu/gpu_checks.py``)."""
 
 from __future__ import annotations
 
 import gc
+import itertools
 
 import pytest
 
 from vllm_capture.capture_graph import graph_nodes
-from vllm_capture.capture_graph.graph_nodes import GraphNodes
+from vllm_capture.capture_graph.graph_nodes import DriverError, GraphNodes
 
 
 class FakeDriver:
     def __init__(self):
-        self.enabled: dict[tuple[int, int], bool] = {}
-        self.calls = 0
-        self.fail: set[tuple[int, int, bool]] = set()  # (exec, node, on) that return an error
+        self.copies: dict[int, tuple[int, frozenset]] = {}  # live exec -> (graph, nodes left out)
+        self.destroyed: list[int] = []
+        self.launched: list[tuple[int, int]] = []
+        self.fail = False
         self.capturing: dict[int, tuple[int, list[int]]] = {}  # stream -> (graph, tail nodes)
+        self._handles = itertools.count(1000)
 
     def capture_tail(self, stream):
         return self.capturing.get(stream)
 
-    def set_enabled(self, graph_exec, node, on):
-        self.calls += 1
-        if (graph_exec, node, on) in self.fail:
-            return 1  # CUDA_ERROR_INVALID_VALUE
-        self.enabled[(graph_exec, node)] = on
-        return 0
+    def exec_without(self, graph, nodes):
+        if self.fail:
+            raise DriverError("cuGraphInstantiateWithFlags failed with CUresult 1")
+        handle = next(self._handles)
+        self.copies[handle] = (graph, frozenset(nodes))
+        return handle
 
-    def is_enabled(self, graph_exec, node):
-        return self.enabled.get((graph_exec, node), True)
+    def launch(self, graph_exec, stream):
+        assert graph_exec in self.copies, "launched a destroyed copy"
+        self.launched.append((graph_exec, stream))
+
+    def destroy_exec(self, graph_exec):
+        del self.copies[graph_exec]
+        self.destroyed.append(graph_exec)
 
 
 class FakeGraph:
-    """torch.cuda.CUDAGraph's surface that graph_nodes uses."""
-
-    def __init__(self, raw_exec: int):
-        self.raw_exec = raw_exec
-
-    def raw_cuda_graph_exec(self):
-        if self.raw_exec is None:
-            raise RuntimeError("not instantiated")
-        return self.raw_exec
+    """The registry only needs a weakly referenceable object per graph."""
 
 
-def captured(nodes: GraphNodes, driver: FakeDriver, raw_graph: int, raw_exec: int,
-             launches: list[tuple[int, int]]) -> FakeGraph:
-    """Capture a graph with ``launches`` = [(node, site key)], then adopt it."""
+def captured(nodes: GraphNodes, driver: FakeDriver, raw_graph: int,
+             launches: list[tuple[int, int]], checked: bool = True) -> FakeGraph:
+    """Capture a graph with ``launches`` = [(node, site key)], adopt it, and (``checked``) let
+    its first replay by torch show that it draws no random numbers."""
     for node, key in launches:
         driver.capturing[7] = (raw_graph, [node])
         nodes.note_launch(key, stream=7)
     driver.capturing.pop(7, None)
-    graph = FakeGraph(raw_exec)
+    graph = FakeGraph()
     nodes.adopt(graph, raw_graph)
+    if checked:
+        nodes.replayed_by_torch(graph, draws_random=False)
     return graph
 
 
-def states(driver: FakeDriver, graph_exec: int, node_list) -> list[bool]:
-    return [driver.is_enabled(graph_exec, n) for n in node_list]
+def left_out(nodes: GraphNodes, driver: FakeDriver, graph) -> frozenset | None:
+    """The nodes the graph's replays leave out now; None: torch's replay (every node)."""
+    graph_exec = nodes.launch_for(graph)
+    return None if graph_exec is None else driver.copies[graph_exec][1]
 
 
-def test_nodes_of_off_sites_are_disabled_when_the_graph_is_adopted():
+def test_idle_sites_nodes_are_left_out_of_a_graph_adopted_later_but_the_pinned_sites_stay():
     driver = FakeDriver()
     nodes = GraphNodes(driver, pinned={100})
-    for key in (100, 200, 300):
-        nodes.set_site(key, False)  # sites start off, before any graph exists
-    nodes.set_site(300, True)
-    assert driver.calls == 0
-    graph = captured(nodes, driver, raw_graph=1, raw_exec=11,
-                     launches=[(1, 100), (2, 200), (3, 300)])
-    # The pinned site (the replay counter's) stays on; the off site's node is disabled.
-    assert states(driver, 11, [1, 2, 3]) == [True, False, True]
-    assert nodes.status() == {"graphs": 1, "nodes": 3, "nodes_disabled": 1, "unnoted_launches": 0}
-    assert nodes.disabled_in_graphs() == 1
-    del graph
-    gc.collect()
-    assert nodes.status()["graphs"] == 0  # a graph vLLM freed is no longer tracked
+    nodes.set_sites({100: False, 200: False, 300: True})  # before any graph exists
+    assert driver.copies == {}
+    graph = captured(nodes, driver, raw_graph=1, launches=[(1, 100), (2, 200), (3, 300), (4, 200)])
+    assert left_out(nodes, driver, graph) == {2, 4}
+    assert nodes.status() == {"graphs": 1, "nodes": 4, "nodes_left_out": 2, "graph_copies": 1,
+                              "copy_failures": 0, "unnoted_launches": 0}
+    # Every site on: torch's own executable graph, which has every node.
+    nodes.set_sites({200: True})
+    assert nodes.launch_for(graph) is None
+    assert nodes.status()["nodes_left_out"] == 0
 
 
-def test_set_site_switches_exactly_that_sites_nodes_in_every_graph():
+def test_set_sites_switches_every_graph_and_reuses_the_copies_it_made():
     driver = FakeDriver()
     nodes = GraphNodes(driver)
-    g1 = captured(nodes, driver, 1, 11, [(1, 100), (2, 200)])
-    g2 = captured(nodes, driver, 2, 22, [(5, 100), (6, 200), (7, 100)])
-    nodes.set_site(100, False)
-    assert states(driver, 11, [1, 2]) == [False, True]
-    assert states(driver, 22, [5, 6, 7]) == [False, True, False]
-    calls = driver.calls
-    nodes.set_site(100, False)  # unchanged: no driver call
-    nodes.set_site(200, True)
-    assert driver.calls == calls
-    nodes.set_site(100, True)
-    assert all(states(driver, 11, [1, 2]) + states(driver, 22, [5, 6, 7]))
-    assert nodes.status()["nodes_disabled"] == 0
+    g1 = captured(nodes, driver, 1, [(1, 100), (2, 200)])
+    g2 = captured(nodes, driver, 2, [(5, 100), (6, 200), (7, 100)])
+    assert nodes.launch_for(g1) is None and driver.copies == {}  # every site on
+    nodes.set_sites({100: False})
+    assert left_out(nodes, driver, g1) == {1}
+    assert left_out(nodes, driver, g2) == {5, 7}
+    made = len(driver.copies)
+    nodes.set_sites({100: False, 200: True})  # no change: no copy
+    assert len(driver.copies) == made
+    nodes.set_sites({100: True, 200: False})
+    assert left_out(nodes, driver, g1) == {2} and left_out(nodes, driver, g2) == {6}
+    first = nodes.launch_for(g1)
+    nodes.set_sites({100: False, 200: True})
+    nodes.set_sites({100: True, 200: False})
+    assert nodes.launch_for(g1) == first  # kept, not made again
+    assert len(driver.copies) == 4 and driver.destroyed == []
     del g1, g2
 
 
-def test_pinned_site_is_never_disabled():
+def test_copies_beyond_the_limit_are_destroyed_oldest_first_never_the_one_in_use():
+    driver = FakeDriver()
+    nodes = GraphNodes(driver)
+    keys = [100 + i for i in range(graph_nodes.VARIANTS_PER_GRAPH + 2)]
+    graph = captured(nodes, driver, 1, [(i + 1, key) for i, key in enumerate(keys)])
+    made = []
+    for key in keys:
+        nodes.set_sites({k: k != key for k in keys})
+        made.append(nodes.launch_for(graph))
+    assert driver.destroyed == made[:2]
+    assert set(driver.copies) == set(made[2:])
+    assert nodes.launch_for(graph) == made[-1]
+    assert nodes.status()["graph_copies"] == graph_nodes.VARIANTS_PER_GRAPH
+
+
+def test_a_graph_with_only_the_pinned_site_idle_replays_as_captured():
     driver = FakeDriver()
     nodes = GraphNodes(driver, pinned={100})
-    graph = captured(nodes, driver, 1, 11, [(1, 100)])
-    nodes.set_site(100, False)
-    assert driver.calls == 0 and driver.is_enabled(11, 1)
-    del graph
+    graph = captured(nodes, driver, 1, [(1, 100)])
+    nodes.set_sites({100: False})
+    assert nodes.launch_for(graph) is None and driver.copies == {}
 
 
-def test_a_launch_whose_node_is_not_known_stays_enabled_and_is_counted():
+def test_a_launch_whose_node_is_not_known_is_counted_and_its_graph_not_tracked():
     driver = FakeDriver()
     nodes = GraphNodes(driver)
     nodes.note_launch(100, stream=3)  # not capturing
@@ -117,10 +137,10 @@ def test_a_launch_whose_node_is_not_known_stays_enabled_and_is_counted():
     driver.capturing[3] = (1, [])
     nodes.note_launch(100, stream=3)
     assert nodes.unnoted_launches == 3
-    graph = FakeGraph(11)
+    graph = FakeGraph()
     nodes.adopt(graph, 1)
-    nodes.set_site(100, False)
-    assert driver.calls == 0
+    nodes.set_sites({100: False})
+    assert nodes.launch_for(graph) is None and driver.copies == {}
     assert nodes.status()["graphs"] == 0
 
 
@@ -134,70 +154,75 @@ def test_launches_are_kept_apart_by_the_graph_they_were_captured_into():
     nodes.note_launch(100, stream=2)
     driver.capturing[1] = (10, [3])
     nodes.note_launch(200, stream=1)
-    g10, g20 = FakeGraph(110), FakeGraph(120)
+    g10, g20 = FakeGraph(), FakeGraph()
     nodes.adopt(g10, 10)
     nodes.adopt(g20, 20)
-    nodes.set_site(100, False)
-    assert states(driver, 110, [1, 3]) == [False, True]
-    assert states(driver, 120, [2]) == [False]
-    assert not driver.is_enabled(110, 1) and (110, 2) not in driver.enabled
+    for g in (g10, g20):
+        nodes.replayed_by_torch(g, draws_random=False)
+    nodes.set_sites({100: False})
+    assert driver.copies[nodes.launch_for(g10)] == (10, frozenset({1}))
+    assert driver.copies[nodes.launch_for(g20)] == (20, frozenset({2}))
 
 
-def test_a_failed_disable_leaves_every_graphs_nodes_enabled():
+def test_a_graph_the_driver_cannot_copy_replays_with_every_node_and_is_counted():
     driver = FakeDriver()
     nodes = GraphNodes(driver)
-    g1 = captured(nodes, driver, 1, 11, [(1, 100), (2, 100)])
-    g2 = captured(nodes, driver, 2, 22, [(3, 100)])
-    driver.fail.add((22, 3, False))  # the second graph refuses
-    nodes.set_site(100, False)
-    assert all(states(driver, 11, [1, 2]) + states(driver, 22, [3]))
-    assert nodes.status()["nodes_disabled"] == 0
-    # The site is not taken for off, so switching it on later is not skipped as "no change".
-    driver.fail.clear()
-    nodes.set_site(100, False)
-    assert states(driver, 11, [1, 2]) + states(driver, 22, [3]) == [False, False, False]
-    nodes.set_site(100, True)
-    assert all(states(driver, 11, [1, 2]) + states(driver, 22, [3]))
-    del g1, g2
+    g1 = captured(nodes, driver, 1, [(1, 100), (2, 200)])
+    driver.fail = True
+    nodes.set_sites({100: False})
+    assert nodes.launch_for(g1) is None
+    assert nodes.status()["copy_failures"] == 1 and nodes.status()["nodes_left_out"] == 0
+    driver.fail = False
+    nodes.set_sites({100: True, 200: False})
+    assert left_out(nodes, driver, g1) == {2}
 
 
-def test_a_failed_enable_raises():
+def test_a_graph_is_copied_only_once_its_first_replay_drew_no_random_numbers():
     driver = FakeDriver()
     nodes = GraphNodes(driver)
-    graph = captured(nodes, driver, 1, 11, [(1, 100)])
-    nodes.set_site(100, False)
-    driver.fail.add((11, 1, True))
-    with pytest.raises(RuntimeError, match="stays disabled"):
-        nodes.set_site(100, True)
-    del graph
+    nodes.set_sites({200: False})
+    plain = captured(nodes, driver, 1, [(1, 100), (2, 200)], checked=False)
+    draws = captured(nodes, driver, 2, [(3, 100), (4, 200)], checked=False)
+    assert nodes.unchecked(plain) and nodes.launch_for(plain) is None
+    nodes.replayed_by_torch(plain, draws_random=False)
+    nodes.replayed_by_torch(draws, draws_random=True)
+    assert not nodes.unchecked(plain) and not nodes.unchecked(draws)
+    assert left_out(nodes, driver, plain) == {2}
+    assert nodes.launch_for(draws) is None
+    nodes.set_sites({100: False})
+    assert nodes.launch_for(draws) is None
+    assert {graph for graph, _ in driver.copies.values()} == {1}
 
 
-def test_freed_and_reset_graphs_are_skipped():
+def test_freed_and_reset_graphs_lose_their_copies():
     driver = FakeDriver()
     nodes = GraphNodes(driver)
-    gone = captured(nodes, driver, 1, 11, [(1, 100)])
-    reset = captured(nodes, driver, 2, 22, [(2, 100)])
-    kept = captured(nodes, driver, 3, 33, [(3, 100)])
+    nodes.set_sites({100: False})
+    gone = captured(nodes, driver, 1, [(1, 100)])
+    reset = captured(nodes, driver, 2, [(2, 100)])
+    kept = captured(nodes, driver, 3, [(3, 100)])
+    copies = {g: nodes.launch_for(g) for g in (reset, kept)}
     del gone
     gc.collect()
-    reset.raw_exec = None  # torch raises for a graph that is not instantiated
-    nodes.set_site(100, False)
-    assert (11, 1) not in driver.enabled and (22, 2) not in driver.enabled
-    assert not driver.is_enabled(33, 3)
-    nodes.forget(kept)
-    assert nodes.status()["graphs"] == 1  # `reset` is still alive (it may be captured again)
+    assert len(driver.destroyed) == 1 and nodes.status()["graphs"] == 2
+    nodes.forget(reset)
+    assert driver.destroyed[-1] == copies[reset] and nodes.launch_for(reset) is None
+    assert nodes.launch_for(kept) == copies[kept]
+    assert nodes.status()["graphs"] == 1
 
 
-def test_without_a_driver_nothing_is_noted_or_switched():
+def test_without_a_driver_nothing_is_noted_or_copied():
     nodes = GraphNodes(None)
     nodes.note_launch(100, stream=1)
-    nodes.adopt(FakeGraph(11), 1)
-    nodes.set_site(100, False)
+    graph = FakeGraph()
+    nodes.adopt(graph, 1)
+    nodes.set_sites({100: False})
+    assert nodes.launch_for(graph) is None
     assert nodes.status()["nodes"] == 0
 
 
 class FakeTorchGraph:
-    """torch.cuda.CUDAGraph's constructor and capture methods."""
+    """torch.cuda.CUDAGraph's constructor, capture and replay methods."""
 
     # As torch's pybind class: __new__ ignores its arguments, __init__ takes keep_graph.
     def __new__(cls, *args, **kwargs):
@@ -205,6 +230,7 @@ class FakeTorchGraph:
 
     def __init__(self, keep_graph: bool = False):
         self.keep_graph, self.instantiated, self.was_reset = keep_graph, False, False
+        self.replays = 0
 
     def capture_end(self):
         if not self.keep_graph:
@@ -217,26 +243,63 @@ class FakeTorchGraph:
         assert self.keep_graph, "keep_graph must be True"
         return 1
 
-    def raw_cuda_graph_exec(self):
-        assert self.instantiated
-        return 11
+    def replay(self):
+        self.replays += 1
 
     def reset(self):
         self.was_reset = True
 
 
-def test_kept_graph_keeps_its_graph_instantiates_and_hands_over_its_nodes(monkeypatch):
+def test_kept_graph_keeps_its_graph_and_replays_from_the_copy_after_torchs_first_replay(
+        monkeypatch):
     driver = FakeDriver()
     nodes = GraphNodes(driver)
-    nodes.set_site(200, False)
+    nodes.set_sites({200: False})
     monkeypatch.setattr(graph_nodes, "_active", nodes)
+    monkeypatch.setattr(graph_nodes, "_current_stream", lambda: 7)
+    monkeypatch.setattr(graph_nodes, "_generator_offset", lambda: 0)
     kept = graph_nodes.kept_graph_class(FakeTorchGraph)
     graph = kept()  # vLLM's call: no arguments
     assert graph.keep_graph
     driver.capturing[7] = (1, [5])
     nodes.note_launch(200, stream=7)
+    driver.capturing.clear()
     graph.capture_end()
     assert graph.instantiated
-    assert not driver.is_enabled(11, 5)
+    graph.replay()  # torch's: the generator did not move
+    assert graph.replays == 1 and driver.launched == []
+    graph.replay()
+    graph.replay()
+    assert graph.replays == 1
+    assert driver.launched == [(nodes.launch_for(graph), 7)] * 2
+    assert driver.copies[nodes.launch_for(graph)] == (1, frozenset({5}))
     graph.reset()
-    assert graph.was_reset and nodes.status()["graphs"] == 0
+    assert graph.was_reset and nodes.status()["graphs"] == 0 and driver.copies == {}
+
+
+def test_kept_graph_that_draws_random_numbers_is_always_replayed_by_torch(monkeypatch):
+    driver = FakeDriver()
+    nodes = GraphNodes(driver)
+    nodes.set_sites({200: False})
+    offsets = itertools.count(0, 4)  # each torch replay advances the generator
+    monkeypatch.setattr(graph_nodes, "_active", nodes)
+    monkeypatch.setattr(graph_nodes, "_current_stream", lambda: 7)
+    monkeypatch.setattr(graph_nodes, "_generator_offset", lambda: next(offsets))
+    graph = graph_nodes.kept_graph_class(FakeTorchGraph)()
+    driver.capturing[7] = (1, [5])
+    nodes.note_launch(200, stream=7)
+    driver.capturing.clear()
+    graph.capture_end()
+    for _ in range(3):
+        graph.replay()
+    assert graph.replays == 3 and driver.launched == [] and driver.copies == {}
+
+
+@pytest.mark.parametrize("pinned", [set(), {100}])
+def test_status_counts_only_left_out_nodes_of_graphs_that_replay_a_copy(pinned):
+    driver = FakeDriver()
+    nodes = GraphNodes(driver, pinned=pinned)
+    graph = captured(nodes, driver, 1, [(1, 100), (2, 200)])
+    nodes.set_sites({100: False, 200: False})
+    assert nodes.status()["nodes_left_out"] == (1 if pinned else 2)
+    assert left_out(nodes, driver, graph) == ({2} if pinned else {1, 2})

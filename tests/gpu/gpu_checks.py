@@ -235,8 +235,9 @@ def dtype_drift(args) -> None:
 
 def graph_nodes_check(args) -> None:
     """The driver calls of ``graph_nodes`` on a real graph, no engine: capture two sites' kernels
-    (and a torch op between them) into a KeptCUDAGraph, then replay with a site's node disabled
-    and enabled again. The execution counters say which kernels ran; the torch op must run always."""
+    (each followed by a torch op) into a KeptCUDAGraph, then replay it with a site idle (from a
+    copy without that site's node), with it on again (torch's own replay), and with both idle.
+    The execution counters say which kernels ran; the torch ops must run in every replay."""
     from vllm_capture.capture_graph import graph_nodes
     from vllm_capture.kernels import launch_capture, warmup
     from vllm_capture.kernels import layout as L
@@ -262,20 +263,28 @@ def graph_nodes_check(args) -> None:
             nodes.note_launch(site.data_ptr(), torch.cuda.current_stream().cuda_stream)
             out.add_(1)
     counts = lambda: [int(s[L.SITE_EXECUTIONS]) for s in sites]  # noqa: E731
+
+    def replay() -> list[int]:
+        graph.replay()
+        torch.cuda.synchronize()
+        return counts()
+
     report = {"class": type(graph).__name__, "status_after_capture": nodes.status()}
-    graph.replay(); torch.cuda.synchronize()
-    report["both_on"] = counts()
-    nodes.set_site(sites[0].data_ptr(), False)
-    report["driver_disabled"] = nodes.disabled_in_graphs()
-    graph.replay(); torch.cuda.synchronize()
-    report["site0_off"] = counts()
-    nodes.set_site(sites[0].data_ptr(), True)
-    graph.replay(); torch.cuda.synchronize()
-    report["site0_on_again"] = counts()
+    report["both_on"] = replay()
+    nodes.set_sites({sites[0].data_ptr(): False})
+    report["status_site0_off"] = nodes.status()
+    report["site0_off"] = replay()
+    report["site0_off_again"] = replay()
+    nodes.set_sites({sites[0].data_ptr(): True})
+    report["site0_on_again"] = replay()
+    nodes.set_sites({sites[0].data_ptr(): False, sites[1].data_ptr(): False})
+    report["both_off"] = replay()
     report["torch_op_runs"] = float(out.item())
     report["ok"] = (report["both_on"] == [1, 1] and report["site0_off"] == [1, 2]
-                    and report["site0_on_again"] == [2, 3] and report["driver_disabled"] == 1
-                    and report["torch_op_runs"] == 6.0 and report["status_after_capture"]["nodes"] == 2)
+                    and report["site0_off_again"] == [1, 3] and report["site0_on_again"] == [2, 4]
+                    and report["both_off"] == [2, 4] and report["torch_op_runs"] == 10.0
+                    and report["status_after_capture"]["nodes"] == 2
+                    and report["status_site0_off"]["nodes_left_out"] == 1)
     Path(args.report).write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
 

@@ -124,8 +124,8 @@ class CaptureGraphState:
     step_active: bool = False
     step_eager_launches: int = 0  # launches made by the op's Python body in the current step
     allocation_bytes: int = 0
-    # The capture kernels' nodes in captured CUDA graphs, disabled while their site is off
-    # (CUDA only; see graph_nodes).
+    # The capture kernels' nodes in captured CUDA graphs, left out of replays while their site
+    # is off (CUDA only; see graph_nodes).
     nodes: graph_nodes.GraphNodes | None = None
     _copy_stream: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -193,15 +193,14 @@ class CaptureGraphState:
             self.nodes = graph_nodes.GraphNodes(
                 graph_nodes.load_driver(),
                 pinned=set() if reference is None else {reference.counter.data_ptr()})
-            for key, site in self.sites.items():
-                self.nodes.set_site(key, site.enabled)
+            self.nodes.set_sites({key: site.enabled for key, site in self.sites.items()})
             graph_nodes.install(self.nodes)
         self.ready = True
 
     @property
     def reference_site(self) -> Site | None:
         """The site whose execution counter counts forwards (``graph_replays``): its graph nodes
-        stay enabled while it is idle."""
+        stay in replays while it is idle."""
         return min(self.sites.values(), key=lambda s: (s.component, s.layer_id), default=None)
 
     @property
@@ -238,8 +237,9 @@ class CaptureGraphState:
         for site in self.sites_of(component):
             site.enabled = layers is None or site.layer_id in layers
             site.counter[L.SITE_ENABLED] = int(site.enabled)
-            if self.nodes is not None:
-                self.nodes.set_site(site.counter.data_ptr(), site.enabled)
+        if self.nodes is not None:
+            self.nodes.set_sites({site.counter.data_ptr(): site.enabled
+                                  for site in self.sites_of(component)})
         for group in self.groups.get(component, ()):
             group.enabled = [i for i, site in enumerate(group.sites) if site.enabled]
             group.enabled_index = torch.tensor(group.enabled, dtype=torch.long, device=self.device)
