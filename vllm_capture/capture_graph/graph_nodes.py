@@ -115,7 +115,9 @@ class Driver:
     def _neighbours(self, name: str, node: _P) -> list[int]:
         count = ctypes.c_size_t(0)
         self._call(name, node, None, ctypes.byref(count))
-        out = (_P * max(1, count.value))()
+        if count.value == 0:  # a graph's first or last node: asking again with an array fails
+            return []
+        out = (_P * count.value)()
         self._call(name, node, out, ctypes.byref(count))
         return [out[i] for i in range(count.value)]
 
