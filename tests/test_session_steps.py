@@ -863,6 +863,25 @@ def test_reductions_finalized_in_several_steps_are_stored_as_one_chunk_per_layer
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid, c.rid])
 
 
+def test_reductions_finalized_together_are_stored_in_their_host_copy_not_copied_again():
+    """The host copy of a step's finalized reductions (one block for a ring group's layers) was
+    made for the store alone: its chunks are that block's rows, and they fetch like copies."""
+    engine = Engine(acc_slots=3)
+    ref = RefStream(HS, 3, reduce="last")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="last")
+    a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4], gen=[1])
+    engine.step([(a, 2), (b, 2)])
+    engine.step([(a, 1), (b, 1)])  # both finish
+    engine.step([])
+    engine.session.stream_status(HS)
+    store = engine.session._streams[HS].store
+    storages = {chunk.tensor.untyped_storage().data_ptr()
+                for chunks in store.chunks.values() for chunk in chunks.values()}
+    assert len(store.chunks) > 1 and len(storages) == 1
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid])
+
+
 def test_on_stored_hears_the_largest_active_streams_bytes_after_each_harvest():
     """The worker grows its spare reply file (shm.want_spare) from these reports."""
     engine = Engine()

@@ -294,6 +294,67 @@ def test_store_copies_so_callers_may_reuse_their_buffers():
     assert torch.equal(tensors[0], _rows(a, range(3))[0])
 
 
+def _adopted(store, layer):
+    """The tensors of a layer's chunks (what the store keeps)."""
+    return [chunk.tensor for chunk in store.chunks[layer].values()]
+
+
+def _fill_two_layers(store, adopt):
+    a, b = store.request_index("a"), store.request_index("b")
+    block = torch.stack([_interleaved([(a, 7), (b, 9)], layer)[0] for layer in (0, 1)])
+    meta = _interleaved([(a, 7), (b, 9)])[1]
+    store.append_layers({0: block[0], 1: block[1]}, meta, {0: "l0", 1: "l1"}, adopt=adopt)
+    return block
+
+
+def test_adopted_rows_are_kept_as_they_are_and_fetch_like_copies():
+    """``adopt``: the finalized reductions' host copies become the chunks themselves when every
+    row is kept in order and in its own dtype; the fetch is the same as with copies."""
+    adopting, copying = StreamStore(StreamConfig(budget_rows=10)), StreamStore(StreamConfig(budget_rows=10))
+    block = _fill_two_layers(adopting, True)
+    _fill_two_layers(copying, False)
+    assert [t.data_ptr() for layer in (0, 1) for t in _adopted(adopting, layer)] == [
+        block[0].data_ptr(), block[1].data_ptr()]
+    assert all(t.data_ptr() not in (block[0].data_ptr(), block[1].data_ptr())
+               for layer in (0, 1) for t in _adopted(copying, layer))
+    got, want = _fetch(adopting), _fetch(copying)
+    assert got[0] == want[0] == {0: [("a", 7), ("b", 9)], 1: [("a", 7), ("b", 9)]}
+    assert all(torch.equal(got[1][layer], want[1][layer]) for layer in (0, 1))
+
+
+def test_a_store_holding_adopt_bytes_copies_what_it_is_handed(monkeypatch):
+    store = StreamStore(StreamConfig(budget_rows=10))
+    monkeypatch.setattr(store_module, "ADOPT_BYTES", 1)
+    a = store.request_index("a")
+    values, meta = _rows(a, range(3))
+    store.append(0, values, meta, "l0")  # the store now holds more than ADOPT_BYTES
+    block = _fill_two_layers(store, True)
+    kept = {t.data_ptr() for layer in (0, 1) for t in _adopted(store, layer)}
+    assert not kept & {block[0].data_ptr(), block[1].data_ptr()}
+    assert _fetch(store)[0][1] == [("a", 7), ("b", 9)]
+
+
+@pytest.mark.parametrize("why", ["reordered", "cast", "budget", "failed request"])
+def test_adopt_still_copies_rows_it_cannot_keep_as_they_are(why):
+    store = StreamStore(StreamConfig(budget_rows=1 if why == "budget" else 10,
+                                     dtype="bfloat16" if why == "cast" else None))
+    a, b = store.request_index("a"), store.request_index("b")
+    if why == "failed request":
+        store.fail_request("a", "test")
+    # Rows of b before a: the store groups them by registration, so it must reorder.
+    pairs = [(b, 9), (a, 7)] if why == "reordered" else [(a, 7), (b, 9)]
+    values, meta = _interleaved(pairs)
+    store.append_layers({0: values}, meta, {0: "l0"}, adopt=True)
+    kept = _adopted(store, 0)
+    assert len(kept) == 1 and kept[0].data_ptr() != values.data_ptr()
+    want = {"reordered": [("a", 7), ("b", 9)], "cast": [("a", 7), ("b", 9)],
+            "budget": [("a", 7)], "failed request": [("b", 9)]}[why]
+    got = _fetch(store, req_ids=["b"] if why == "failed request" else None)
+    assert got[0][0] == want
+    expect = _rows(0, [p for _, p in want])[0]  # values encode (layer, position) alone
+    assert torch.equal(got[1][0], expect.to(got[1][0].dtype))
+
+
 def test_layers_with_one_set_of_labels_share_their_encoded_labels_and_others_keep_theirs():
     store = StreamStore(StreamConfig(budget_rows=10))
     a, b = store.request_index("a"), store.request_index("b")

@@ -696,10 +696,11 @@ class CaptureSession:
             if keys not in appends:
                 appends[keys] = ([meta for _, meta, _ in entries], {})
             appends[keys][1][layer_id] = [rows for _, _, rows in entries]
+        # The host copies of the reductions were made for this append: the store may keep them.
         for metas_of, rows_of in appends.values():
             stream.store.append_layers(
                 {layer: _joined(rows) for layer, rows in rows_of.items()}, _joined(metas_of),
-                {layer: names[layer] for layer in rows_of})
+                {layer: names[layer] for layer in rows_of}, adopt=True)
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:

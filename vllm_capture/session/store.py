@@ -45,6 +45,12 @@ _LARGE_COPY = 2 << 20
 # Appends of at least this many bytes copy their layers on APPEND_THREADS threads (_copy_all).
 APPEND_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 _PARALLEL_APPEND = 8 << 20
+# Finalized reductions arrive in pinned host copies made for them alone. The store keeps those
+# instead of copying them (the copy, into fresh pages, was most of a last-token fetch's wait at
+# 8B: 16.8 MB) while it holds less than this: torch's caching host allocator keeps a pinned
+# block once it is freed, so past this the rows go to pageable memory and pinned memory that a
+# store leaves behind stays bounded.
+ADOPT_BYTES = 256 << 20
 # A fetch gathers a layer's rows span by span (a Python step each, about as long as copying
 # 30-60 KB) unless its spans are many, several per chunk and on average under this many bytes:
 # then it scatters each chunk's rows at once. On the CPU VM, 48 layers of router logits (512-byte
@@ -397,6 +403,7 @@ class StreamStore:
         rows: dict[int, torch.Tensor],
         meta: torch.Tensor,
         layer_names: dict[int, str],
+        adopt: bool = False,
     ) -> None:
         """Store drained host rows of one engine step: one chunk per layer, one set of labels.
 
@@ -407,6 +414,11 @@ class StreamStore:
         may reuse its (pinned) buffers as soon as this returns. Rows of failed or cache-elided
         requests are discarded; rows past a layer's budget are dropped (the first rows in row
         order are kept) and counted in ``tokens_dropped``.
+
+        With ``adopt`` the caller hands its tensors over (host copies made for this append
+        alone, such as finalized reductions): while the store holds under ``ADOPT_BYTES``, a
+        layer whose rows are all kept, in order and in their own dtype, is stored as it is
+        instead of copied into fresh memory.
         """
         with self.lock:
             for layer_id, tensor in rows.items():
@@ -436,7 +448,9 @@ class StreamStore:
                     layouts[keep] = self._chunk_layout(labels, unblocked, keep)
                 dtype = tensor.dtype if self.config.dtype is None else self.config.dtype
                 takes.append((layer_id, tensor.detach(), layouts[keep], dtype))
-            copies = _copy_all([(source, layout[0], dtype) for _, source, layout, dtype in takes])
+            adopt = adopt and self._bytes_stored < ADOPT_BYTES
+            copies = _copy_all([(source, layout[0], dtype) for _, source, layout, dtype in takes],
+                               adopt)
             for (layer_id, _, layout, dtype), copy in zip(takes, copies):
                 _, chunk_meta, reqs, starts, lens = layout
                 self._add_chunk(layer_id, _Chunk(copy, chunk_meta, reqs, starts, lens))
@@ -1005,19 +1019,34 @@ def _run_starts(values: np.ndarray) -> np.ndarray:
     return np.flatnonzero(change)
 
 
-def _copy_all(takes: list[tuple[torch.Tensor, np.ndarray | slice, torch.dtype]]
-              ) -> list[torch.Tensor]:
+def _copy_all(takes: list[tuple[torch.Tensor, np.ndarray | slice, torch.dtype]],
+              adopt: bool = False) -> list[torch.Tensor]:
     """``_take(*take)`` for each take: on ``APPEND_THREADS`` threads when they copy at least
     ``_PARALLEL_APPEND`` bytes. Rows arriving in an empty store land in fresh memory, whose
-    first-touch page faults cost 1-2 GB/s per thread (torch and numpy copies release the GIL)."""
+    first-touch page faults cost 1-2 GB/s per thread (torch and numpy copies release the GIL).
+    With ``adopt``, a take of all of a contiguous source's rows in its own dtype is the source."""
     global _append_pool
-    nbytes = sum(_rows(rows) * source.shape[1] * source.element_size()
-                 for source, rows, _ in takes)
-    if len(takes) < 2 or nbytes < _PARALLEL_APPEND or APPEND_THREADS < 2:
-        return [_take(*take) for take in takes]
-    if _append_pool is None:
-        _append_pool = concurrent.futures.ThreadPoolExecutor(APPEND_THREADS, "vllm-capture-store")
-    return list(_append_pool.map(lambda take: _take(*take), takes))
+    out: list[torch.Tensor | None] = [
+        source if adopt and _whole(source, rows, dtype) else None for source, rows, dtype in takes]
+    todo = [i for i, kept in enumerate(out) if kept is None]
+    nbytes = sum(_rows(takes[i][1]) * takes[i][0].shape[1] * takes[i][0].element_size()
+                 for i in todo)
+    if len(todo) < 2 or nbytes < _PARALLEL_APPEND or APPEND_THREADS < 2:
+        copies = [_take(*takes[i]) for i in todo]
+    else:
+        if _append_pool is None:
+            _append_pool = concurrent.futures.ThreadPoolExecutor(APPEND_THREADS,
+                                                                 "vllm-capture-store")
+        copies = list(_append_pool.map(lambda i: _take(*takes[i]), todo))
+    for i, copy in zip(todo, copies):
+        out[i] = copy
+    return out
+
+
+def _whole(source: torch.Tensor, rows: np.ndarray | slice, dtype: torch.dtype) -> bool:
+    """Whether ``rows`` are all of ``source``'s, in order, and it is kept as it is."""
+    return (isinstance(rows, slice) and rows.start == 0 and rows.stop == source.shape[0]
+            and source.dtype == dtype and source.is_contiguous())
 
 
 def _rows(rows: np.ndarray | slice) -> int:
