@@ -863,6 +863,22 @@ def test_reductions_finalized_in_several_steps_are_stored_as_one_chunk_per_layer
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid, c.rid])
 
 
+def test_on_stored_hears_open_reductions_before_their_rows_arrive():
+    """A last-token stream stores nothing until its requests finish: the worker hears what they
+    will take as soon as they open, so its reply file grows during the generate."""
+    engine = Engine(acc_slots=3)
+    heard = []
+    engine.session.on_stored = heard.append
+    engine.session.enable_stream(HS, reduce="last")
+    a, b = Req(num=0, prompt=[1, 2], gen=[3, 1]), Req(num=1, prompt=[4, 4], gen=[1, 2])
+    engine.step([(a, 2), (b, 2)])
+    engine.session.stream_status(HS)  # waits for the harvest thread
+    st = engine.session._streams[HS]
+    row_bytes = engine.session.graph_state.streams[HS].row_bytes
+    assert st.store.bytes_stored == 0 and row_bytes > 0
+    assert heard == [2 * row_bytes]
+
+
 def test_reductions_finalized_together_are_stored_in_their_host_copy_not_copied_again():
     """The host copy of a step's finalized reductions (one block for a ring group's layers) was
     made for the store alone: its chunks are that block's rows, and they fetch like copies."""

@@ -139,6 +139,11 @@ class _Finish:
     req_id: str
 
 
+class _Opened:
+    """Queue sentinel: reductions were opened, so the next fetch will be larger than the store
+    (the harvest thread reports it, ``on_stored``)."""
+
+
 class _Flush:
     """Queue sentinel: store whatever the harvest thread holds (``_wait_harvest``)."""
 
@@ -177,8 +182,8 @@ class CaptureSession:
                         **{f"fetch_write_{part}": 0.0 for part in WRITE_PARTS}}
         self._gc_baseline = _gc_timer.seconds
         self._host_steps = 0
-        # Told, after the harvest thread stores rows, the most bytes one active stream holds:
-        # about the size of the next fetch (the worker prepares its reply file, shm.want_spare).
+        # Told, after the harvest thread stores rows or reductions open, the most bytes a fetch
+        # of one active stream would carry (the worker prepares its reply file, shm.want_spare).
         self.on_stored: Callable[[int], None] | None = None
         self._queue: queue.Queue = queue.Queue()
         self._harvester = threading.Thread(target=self._harvest_loop, name="vllm-capture-harvest",
@@ -517,6 +522,8 @@ class CaptureSession:
             st.tracks[req_id] = track
         # One device fill for every slot handed out this step (the step's forward follows it).
         self.graph_state.reset_acc_slots(st.component, new_slots)
+        if new_slots and self.on_stored is not None:
+            self._queue.put(_Opened())
 
     def _selects_missing(self, st: Stream, track: RequestTrack, first_position: int) -> bool:
         """Whether rows before ``first_position`` (never computed here) were wanted."""
@@ -571,6 +578,10 @@ class CaptureSession:
                 item = self._queue.get(timeout=HARVEST_IDLE_S if batch else None)
             except queue.Empty:
                 item = None  # idle: store what is held
+            if isinstance(item, _Opened):
+                self._report_stored()
+                self._queue.task_done()
+                continue
             stop = isinstance(item, _Stop)
             if item is not None and not isinstance(item, _Flush):
                 batch.append(item)
@@ -601,9 +612,18 @@ class CaptureSession:
         if on_stored is None:
             return
         try:
-            on_stored(max((st.store.bytes_stored for st in self._active_streams()), default=0))
+            on_stored(max((self._fetch_bytes(st) for st in self._active_streams()), default=0))
         except Exception:  # a hint: the fetch works without it
             logger.warning("vllm-capture: on_stored failed", exc_info=True)
+
+    def _fetch_bytes(self, st: Stream) -> int:
+        """About what a fetch of ``st`` would carry: its store, and a row per enabled layer for
+        each reduction still open (finalized at the end of a generate, so that the reply file
+        can grow while the generate runs, not while the fetch waits)."""
+        held = st.store.bytes_stored
+        if st.config.reduce != "all":
+            held += len(st.slots) * self.graph_state.streams[st.component].row_bytes
+        return held
 
     def _wait_copy(self, rows) -> None:
         """Wait for a drain's device-to-host copy (harvest thread); counted as ``harvest_sync``."""
