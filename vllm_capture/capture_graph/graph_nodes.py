@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -163,7 +164,7 @@ def load_driver() -> Driver | None:
 
 #: Copies kept per graph, the one in use included: switching between a few stream settings
 #: (idle, one stream, another) reuses them instead of instantiating again.
-VARIANTS_PER_GRAPH = 3
+VARIANTS_PER_GRAPH = 4
 
 
 @dataclass
@@ -190,6 +191,7 @@ class GraphNodes:
     _graphs: dict[int, _Graph] = field(default_factory=dict)  # by id(CUDAGraph)
     unnoted_launches: int = 0
     copy_failures: int = 0
+    copy_seconds: float = 0.0  # spent making copies (at adopt and at each switch)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def note_launch(self, key: int, stream: int) -> None:
@@ -284,6 +286,7 @@ class GraphNodes:
             return
         graph_exec = entry.variants.pop(removed, None)
         if graph_exec is None:
+            t0 = time.perf_counter()
             try:
                 graph_exec = self.driver.exec_without(
                     entry.raw, [n for key in removed for n in entry.by_site[key]])
@@ -293,6 +296,8 @@ class GraphNodes:
                                "nodes (%s); it replays with them", exc)
                 entry.use = None
                 return
+            finally:
+                self.copy_seconds += time.perf_counter() - t0
         entry.variants[removed] = graph_exec  # the most recent last
         entry.use = graph_exec
         while len(entry.variants) > VARIANTS_PER_GRAPH:
@@ -317,6 +322,7 @@ class GraphNodes:
                                       for key, nodes in g.by_site.items() if key in off),
                 "graph_copies": sum(len(g.variants) for g in graphs),
                 "copy_failures": self.copy_failures,
+                "copy_ms": round(self.copy_seconds * 1e3, 1),
                 "unnoted_launches": self.unnoted_launches}
 
 
