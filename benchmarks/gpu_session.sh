@@ -97,8 +97,9 @@ PY
     ;;
   replay)
     # One decode step's graph replayed alone (benchmarks/graph_replay.py): the capture engine's
-    # graph in its idle states and stripped of capture nodes, then a vanilla engine's.
-    for e in capture vanilla; do
+    # graph in its idle states and stripped of capture nodes, then a vanilla engine's
+    # (ENGINES, the third argument: "capture vanilla" by default).
+    for e in ${3:-capture vanilla}; do
       timeout 280 python3 benchmarks/graph_replay.py --model ${2:-8b} --engine $e --out "$OUT" >"$OUT/replay_$e.log" 2>&1
       echo "replay $e rc=$? $(grep -E '^\{' "$OUT/replay_$e.log" | tail -1 | cut -c1-1500)"
     done
