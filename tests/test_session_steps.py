@@ -662,6 +662,9 @@ def test_capacity_example_with_stream_status():
     check_rows(ref, rows, {(reqs[0].rid, q) for q in range(4)} | {(reqs[1].rid, 0)})
     timers = engine.session.stream_status(HS)["host_timers"]
     assert timers["fetch_wait_ms"] > 0 and timers["fetch_serialize_ms"] > 0
+    # The harvest thread's CPU time in storing, beside its wall time (CPU time of one thread
+    # cannot pass its wall time; rounding to microseconds aside).
+    assert 0 < timers["harvest_cpu_ms"] <= timers["harvest_ms"] + 0.002
     gc.collect()  # a pause of the whole process, counted where no stage explains it
     assert engine.session.stream_status(HS)["host_timers"]["gc_ms"] > timers["gc_ms"] >= 0
 

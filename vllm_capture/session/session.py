@@ -169,14 +169,17 @@ class CaptureSession:
         self._eager_forwards = 0
         # Host time the step path spends in capture code (begin/end of a step, finished requests).
         # "harvest" is the harvest thread's (off the step path, but it shares the GIL), of which
-        # "harvest_sync" waited for device-to-host copies to finish. The fetch_*
+        # "harvest_sync" waited for device-to-host copies to finish; "harvest_cpu" is the CPU
+        # time the thread spent in it (harvest far above harvest_cpu: it waited, for the GIL or a
+        # lock, beyond those copies). The fetch_*
         # stages are a fetch's, in the worker: reductions still open, enqueueing the copy of the
         # rings' pending rows, waiting for the harvest thread to store everything, planning the
         # rows (serialize) and copying them out (write, timed by the caller), of which write_file
         # found and prepared the reply file, write_copy copied the rows, write_keep kept or let
-        # go of mappings and write_release let go of the rows' sources (shm.WRITE_PARTS).
+        # go of mappings and write_release let go of the rows' sources, using release_cpu of CPU
+        # time (shm.WRITE_PARTS).
         self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
-                        "harvest_sync": 0.0,
+                        "harvest_sync": 0.0, "harvest_cpu": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
                         "fetch_serialize": 0.0, "fetch_write": 0.0,
                         **{f"fetch_write_{part}": 0.0 for part in WRITE_PARTS}}
@@ -588,7 +591,7 @@ class CaptureSession:
                 batch_bytes += _item_bytes(item)
                 if batch_bytes < HARVEST_BATCH_BYTES and len(batch) < HARVEST_BATCH_ITEMS:
                     continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 self._store_batch(batch)
             except BaseException as exc:  # surfaced at the next fetch/status
@@ -596,6 +599,7 @@ class CaptureSession:
                 self._harvest_error = exc
             finally:
                 self._host_s["harvest"] += time.perf_counter() - t0
+                self._host_s["harvest_cpu"] += time.thread_time() - c0
                 done = len(batch) + isinstance(item, _Flush)
                 if batch:  # before a fetch waiting on this batch goes on to take the spare
                     self._report_stored()

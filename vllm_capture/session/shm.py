@@ -211,8 +211,9 @@ def worker_sees(probe: Any) -> bool:
 # Parts of a reply file's write, timed for the caller (``write_reply(parts=...)``): finding and
 # preparing the file (pool, spare or new; populating it; the worker adds its probe check),
 # copying the rows, keeping the mapping, and letting go of the rows' sources once they are in
-# the file.
-WRITE_PARTS = ("file", "copy", "keep", "release")
+# the file; then the CPU time that letting go took (far below its wall time: it waited, on a lock
+# or the GIL).
+WRITE_PARTS = ("file", "copy", "keep", "release", "release_cpu")
 
 
 def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = None,
@@ -236,13 +237,14 @@ def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = 
         for info in layers:
             info["data"] = info["data"].tobytes()
         return reply
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for info, offset, nbytes in zip(layers, offsets, sizes):
         del info["data"]
         info["shm_offset"], info["shm_nbytes"] = offset, nbytes
     reply["shm_path"] = path
     if parts is not None:
         parts["release"] = parts.get("release", 0.0) + time.perf_counter() - t0
+        parts["release_cpu"] = parts.get("release_cpu", 0.0) + time.thread_time() - c0
     return reply
 
 
