@@ -131,4 +131,10 @@ import json; r=json.load(open('$f'))
 for k,v in r.items():
     print('$f'.split('/')[-1][:-12], k, json.dumps(v)[:600])"; done
 for f in "$OUT"/*.log; do grep -q "Traceback" "$f" && { echo "-- $f"; grep -B2 -A0 -E "^[A-Za-z.]*(Error|Exception)" "$f" | tail -6; }; done
+# The device tool brings back at most 8 files from one command: each benchmark run's folder (four
+# files) travels as one archive, added to any left by an earlier set of the same command.
+if [ -d "$OUT/results" ]; then
+  n=$(ls "$OUT"/results-*.tgz 2>/dev/null | wc -l)
+  tar czf "$OUT/results-$n.tgz" -C "$OUT" results && rm -rf "$OUT/results" && echo "packed: results-$n.tgz"
+fi
 exit 0
