@@ -186,11 +186,12 @@ def test_a_graph_is_copied_only_once_its_first_replay_drew_no_random_numbers():
     plain = captured(nodes, driver, 1, [(1, 100), (2, 200)], checked=False)
     draws = captured(nodes, driver, 2, [(3, 100), (4, 200)], checked=False)
     assert nodes.unchecked(plain) and nodes.launch_for(plain) is None
+    assert nodes.status()["nodes_left_out"] == 0  # torch replays them until checked
     nodes.replayed_by_torch(plain, draws_random=False)
     nodes.replayed_by_torch(draws, draws_random=True)
     assert not nodes.unchecked(plain) and not nodes.unchecked(draws)
     assert left_out(nodes, driver, plain) == {2}
-    assert nodes.launch_for(draws) is None
+    assert nodes.launch_for(draws) is None and nodes.status()["nodes_left_out"] == 1
     nodes.set_sites({100: False})
     assert nodes.launch_for(draws) is None
     assert {graph for graph, _ in driver.copies.values()} == {1}

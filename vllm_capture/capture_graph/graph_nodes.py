@@ -318,7 +318,8 @@ class GraphNodes:
             off = set(self._off) - self.pinned
         return {"graphs": len(graphs),
                 "nodes": sum(len(nodes) for g in graphs for nodes in g.by_site.values()),
-                "nodes_left_out": sum(len(nodes) for g in graphs if g.use is not None
+                "nodes_left_out": sum(len(nodes) for g in graphs
+                                      if g.use is not None and g.draws_random is False
                                       for key, nodes in g.by_site.items() if key in off),
                 "graph_copies": sum(len(g.variants) for g in graphs),
                 "copy_failures": self.copy_failures,
