@@ -13,6 +13,8 @@ around it. On the capture engine the same graph is replayed in several states, i
   nodes: only the replay counter's site is left);
 * ``hidden_nodes``: as it replays with the hidden-state sites on and the others idle (the kernels
   exit at once: their ``enabled`` flags stay off, so this is the nodes' cost, not the rows');
+* ``hidden_last_active``: the same nodes doing a last-token step's work: flags on, and a plan
+  reducing each of the step's rows into an accumulator slot (the GPU side of hidden-last);
 * ``torch_exec``: torch's own executable graph, every capture node in it;
 * ``stripped``: a copy without any capture node (the topology of a vanilla graph of the same
   compiled model).
@@ -145,6 +147,10 @@ def measure(worker, tokens: int, n: int, rounds: int) -> dict:
         from vllm_capture.capture_graph.graph_nodes import _KeptGraphMixin
         from vllm_capture.session.components import COMPONENTS, HIDDEN_STATES
 
+        import numpy as np
+
+        from vllm_capture.kernels import layout as L
+
         state = session.graph_state
         registry = state.nodes
         entry = registry._graphs.get(id(g))
@@ -154,20 +160,42 @@ def measure(worker, tokens: int, n: int, rounds: int) -> dict:
         keys = {c: [site.counter.data_ptr() for site in state.sites_of(c)] for c in COMPONENTS}
         idle = {k: False for ks in keys.values() for k in ks}
         hidden = {**idle, **{k: True for k in keys[HIDDEN_STATES]}}
+
+        def last_token_on():
+            # What a last-token stream of every layer asks of this graph each decode step: the
+            # sites' flags on, and a plan of one segment per row into accumulator slots 0..T-1
+            # (no stream is enabled, so those slots hold nothing of anyone's).
+            registry.set_sites(hidden)
+            for site in state.sites_of(HIDDEN_STATES):
+                site.counter[L.SITE_ENABLED] = 1
+            rows = np.arange(tokens, dtype=np.int32)
+            state.upload_segments(HIDDEN_STATES, L.MODE_LAST, rows, np.ones_like(rows), rows,
+                                  np.zeros_like(rows))
+
+        def last_token_off():
+            for site in state.sites_of(HIDDEN_STATES):
+                site.counter[L.SITE_ENABLED] = 0
+            state.switch_off()
+
+        def nothing():
+            pass
+
         states = {
-            "idle": (lambda: g.replay(), lambda: registry.set_sites(idle)),
-            "hidden_nodes": (lambda: g.replay(), lambda: registry.set_sites(hidden)),
-            "torch_exec": (lambda: super(_KeptGraphMixin, g).replay(), lambda: None),
-            "stripped": (lambda: registry.driver.launch(stripped, s), lambda: None),
+            "idle": (lambda: g.replay(), lambda: registry.set_sites(idle), nothing),
+            "hidden_nodes": (lambda: g.replay(), lambda: registry.set_sites(hidden), nothing),
+            "hidden_last_active": (lambda: g.replay(), last_token_on, last_token_off),
+            "torch_exec": (lambda: super(_KeptGraphMixin, g).replay(), nothing, nothing),
+            "stripped": (lambda: registry.driver.launch(stripped, s), nothing, nothing),
         }
     else:
-        states = {"vanilla": (lambda: g.replay(), lambda: None)}
+        states = {"vanilla": (lambda: g.replay(), lambda: None, lambda: None)}
     results = collections.defaultdict(list)
     for _ in range(rounds):
-        for name, (launch, enter) in states.items():
+        for name, (launch, enter, leave) in states.items():
             enter()
             sync()
             results[name].append(_time(launch, n, sync))
+            leave()
     if session is not None:
         registry.set_sites(idle)
         out["graph_nodes"] = registry.status()
