@@ -866,6 +866,32 @@ def test_reductions_finalized_in_several_steps_are_stored_as_one_chunk_per_layer
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid, c.rid])
 
 
+def test_reductions_closing_a_stream_are_stored_without_waiting_for_a_fetch(monkeypatch):
+    """Once the last open request of a last-token stream finishes (a generate ended), the harvest
+    thread stores the reductions at once, so the fetch that follows does not wait for them; while
+    other requests stay open, it keeps batching them."""
+    import vllm_capture.session.session as session_module
+
+    monkeypatch.setattr(session_module, "HARVEST_IDLE_S", 60.0)  # store only when asked
+    engine = Engine(acc_slots=3)
+    ref = RefStream(HS, 3, reduce="last")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="last")
+    store = engine.session._streams[HS].store
+    a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4, 4], gen=[1, 2])
+    engine.step([(a, 2), (b, 3)])
+    engine.step([(a, 1), (b, 1)])  # a finishes, b stays open
+    engine.step([(b, 1)])
+    time.sleep(0.2)
+    assert store.bytes_stored == 0
+    engine.step([])  # b finishes: no reduction stays open
+    deadline = time.monotonic() + 10
+    while store.bytes_stored == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.bytes_stored > 0
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid])
+
+
 def test_on_stored_hears_open_reductions_before_their_rows_arrive():
     """A last-token stream stores nothing until its requests finish: the worker hears what they
     will take as soon as they open, so its reply file grows during the generate."""
@@ -1388,6 +1414,88 @@ def test_eager_counters_and_idle_handle():
     engine.step([(Req(num=2, prompt=[1, 2], gen=[]), 2)])
     assert [int(s.counter[L.SITE_EXECUTIONS]) for s in state.sites.values()] == counts
     assert session.fetch_stream(HS) == {}
+
+
+@pytest.mark.parametrize("reduce", ["last", "mean", "all"])
+def test_a_step_repeating_the_last_plan_uploads_nothing(reduce):
+    """At steady decode a reduction's plan repeats step after step: the device keeps it, and only
+    a changed plan is copied. Row streams move on in their ring, so every step uploads. The
+    rows still come out right: the fake model reads the plan from the device buffer."""
+    engine = Engine(acc_slots=3)
+    ref = RefStream(HS, 3, reduce=reduce)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce=reduce)
+    a, b = Req(num=0, prompt=[1, 2], gen=[3, 1, 2, 4]), Req(num=1, prompt=[4, 4], gen=[1, 2, 3, 0])
+    engine.step([(a, 2), (b, 2)])
+    uploads = [engine.state.plan_uploads]
+    while not a.done:
+        engine.step([(a, 1), (b, 1)])
+        uploads.append(engine.state.plan_uploads)
+    steps = np.diff(uploads).tolist()
+    assert len(steps) == 4
+    assert steps == ([1, 1, 1, 1] if reduce == "all" else [1, 0, 0, 0])
+    engine.step([])
+    rows = decode_rows(*engine.fetch(HS))
+    if reduce == "all":
+        check_rows(ref, rows, ref.expected_rows([a.rid, b.rid]))
+    else:
+        check_reduced(ref, rows, [a.rid, b.rid])
+
+
+class _FakeV2Runner:
+    """What wrap_runner sees of vLLM's V2 runner; records the device plan's mode at each call."""
+
+    def __init__(self, engine):
+        self.input_buffers = types.SimpleNamespace(input_ids=engine.input_ids)
+        self.mode = lambda: int(engine.state.streams[HS].meta[L.META_MODE])
+        self.seen = []
+
+    def prepare_inputs(self, scheduler_output):
+        raise AssertionError("not called here")
+
+    def execute_model(self, scheduler_output, dummy_run=False):
+        self.seen.append(("execute_model", dummy_run, self.mode()))
+
+    def _dummy_run(self, num_tokens, **kwargs):
+        self.seen.append(("_dummy_run", num_tokens, self.mode()))
+
+    def capture_model(self):
+        self.seen.append(("capture_model", None, self.mode()))
+
+
+class _FakeV1Runner(_FakeV2Runner):
+    def __init__(self, engine):
+        super().__init__(engine)
+        del self.input_buffers
+        self.input_batch = None
+        self.input_ids = types.SimpleNamespace(gpu=engine.input_ids)
+
+    def _model_forward(self, **kwargs):
+        raise AssertionError("not called here")
+
+
+@pytest.mark.parametrize("runner_class", [_FakeV1Runner, _FakeV2Runner])
+def test_runners_switch_the_device_plan_off_before_forwards_that_are_not_steps(runner_class):
+    """A step leaves its plan on the device (the next one may repeat it), so vLLM's dummy,
+    profile and capture runs, whose replays would read it, find it switched off first."""
+    from vllm_capture.engine.runners import wrap_runner
+
+    engine = Engine(acc_slots=3)
+    runner = runner_class(engine)
+    assert wrap_runner(runner, engine.session) is engine.input_ids
+    engine.session.enable_stream(HS, reduce="last")
+    a = Req(num=0, prompt=[1, 2], gen=[3, 1, 2, 4, 0, 1])
+    calls = [lambda: runner._dummy_run(4), runner.capture_model]
+    if runner_class is _FakeV2Runner:
+        calls.append(lambda: runner.execute_model(None, dummy_run=True))
+    for call in calls:
+        engine.step([(a, 1 if a.computed else 2)])
+        assert runner.mode() == L.MODE_LAST  # left on by the step
+        call()
+        assert runner.seen[-1][2] == L.MODE_OFF
+    assert len(runner.seen) == len(calls)
+    engine.step([(a, 1)])  # the next step uploads its plan again
+    assert runner.mode() == L.MODE_LAST
 
 
 def test_int64_input_ids_and_ring_wraps():

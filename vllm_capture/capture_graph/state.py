@@ -76,6 +76,9 @@ class StreamPlanBuffers:
     host: np.ndarray  # the host image of ``buffer``
     mode: int = L.MODE_OFF
     count: int = 0
+    # The prefix of ``host`` that ``buffer`` holds (None: unknown, or switched off). A step whose
+    # plan equals it uploads nothing: at steady decode a reduction's plan repeats step after step.
+    on_device: np.ndarray | None = None
     # Ring rows: the next step writes from ``offset``; ``[pending_start, offset)`` holds rows of
     # earlier steps not drained yet; ``copies`` are the drains still in flight as (first row,
     # end row, event): a step that writes over their rows waits for them first.
@@ -123,6 +126,7 @@ class CaptureGraphState:
     ready: bool = False
     step_active: bool = False
     step_eager_launches: int = 0  # launches made by the op's Python body in the current step
+    plan_uploads: int = 0  # host-to-device plan copies (a step repeating the last plan makes none)
     allocation_bytes: int = 0
     # The capture kernels' nodes in captured CUDA graphs, left out of replays while their site
     # is off (CUDA only; see graph_nodes).
@@ -305,6 +309,8 @@ class CaptureGraphState:
         buf.mode, buf.count = mode, count
         # Entry-major: meta and this step's entries are one prefix; the rest is never read.
         used = L.META_FIELDS + L.PLAN_FIELDS * count
+        if buf.on_device is not None and np.array_equal(buf.on_device, host[:used]):
+            return
         if self.device.type == "cuda":
             # A fresh pinned tensor per step: the caching host allocator keeps it alive until
             # the non-blocking copy has run, so the step never waits for the copy.
@@ -312,15 +318,22 @@ class CaptureGraphState:
             buf.buffer[:used].copy_(staged, non_blocking=True)
         else:
             buf.buffer[:used].copy_(torch.from_numpy(host[:used]))
+        buf.on_device = host[:used].copy()
+        self.plan_uploads += 1
 
     def switch_off(self) -> None:
-        """Set every stream's mode to off, so dummy, profile and capture runs capture nothing."""
+        """Set every stream's mode to off on the device, so that the forwards which follow
+        capture nothing until the next step's plan: vLLM's dummy, profile and capture runs.
+
+        A step leaves its plan on the device (a replay reads it before the host would know the
+        forward ended), so the runner wrappers call this before each of those runs instead."""
         for buf in self.streams.values():
             if buf.mode != L.MODE_OFF:
                 buf.mode, buf.count = L.MODE_OFF, 0
                 buf.host[L.META_MODE] = L.MODE_OFF
                 buf.host[L.META_COUNT] = 0
                 buf.meta.zero_()
+                buf.on_device = None
 
     def handle(self, x: torch.Tensor, residual: torch.Tensor | None, counter: torch.Tensor) -> None:
         """The op body. At graph capture it records the launch; in eager mode it runs it."""

@@ -9,6 +9,8 @@ ordered before step N+1's forward even under async scheduling.
   and capture runs call the model directly and so never plan rows).
 - V2 runner: ``execute_model`` (skipping ``dummy_run``) and ``prepare_inputs``, which returns the
   step's ``InputBatch``.
+- Both: ``_dummy_run`` and ``capture_model`` switch the device plans off first (a step leaves its
+  plan there, so that the next step repeating it uploads nothing).
 """
 
 from __future__ import annotations
@@ -46,6 +48,24 @@ def _geometry(req_ids, query_start_loc, num_computed, num_rows_padded) -> BatchG
     )
 
 
+# Runner methods that run forwards which are not steps (dummy, profile and capture runs). A step
+# leaves its plan on the device, so these switch it off first.
+_UNPLANNED_FORWARDS = ("_dummy_run", "capture_model")
+
+
+def _switch_off_before_unplanned_forwards(runner, session) -> None:
+    for name in _UNPLANNED_FORWARDS:
+        method = getattr(runner, name, None)
+        if method is None:
+            continue
+
+        def unplanned(*args, _method=method, **kwargs):
+            session.switch_off()
+            return _method(*args, **kwargs)
+
+        setattr(runner, name, unplanned)
+
+
 def wrap_v1_runner(runner, session) -> None:
     """V1 GPU runner and the CPU runner."""
     execute_model = runner.execute_model
@@ -72,6 +92,7 @@ def wrap_v1_runner(runner, session) -> None:
 
     runner.execute_model = capture_execute_model
     runner._model_forward = capture_model_forward
+    _switch_off_before_unplanned_forwards(runner, session)
     return runner.input_ids.gpu
 
 
@@ -81,6 +102,7 @@ def wrap_v2_runner(runner, session) -> None:
 
     def capture_execute_model(scheduler_output, *args, dummy_run: bool = False, **kwargs):
         if dummy_run:
+            session.switch_off()
             return execute_model(scheduler_output, *args, dummy_run=True, **kwargs)
         observe_scheduler_output(session, scheduler_output)
         try:
@@ -99,6 +121,7 @@ def wrap_v2_runner(runner, session) -> None:
 
     runner.execute_model = capture_execute_model
     runner.prepare_inputs = capture_prepare_inputs
+    _switch_off_before_unplanned_forwards(runner, session)
     return runner.input_buffers.input_ids
 
 

@@ -47,8 +47,9 @@ EXTRA_ARGS_KEY = "capture"
 
 # The harvest thread stores drained steps in batches: one store append per layer for many steps,
 # because its Python work holds the GIL the step path needs. A batch is stored when its host rows
-# reach HARVEST_BATCH_BYTES, when it holds HARVEST_BATCH_ITEMS queue items, when the queue has
-# been idle for HARVEST_IDLE_S, or when the session waits for the harvest (fetch, status, stop).
+# reach HARVEST_BATCH_BYTES, when it holds HARVEST_BATCH_ITEMS queue items, when it ends with the
+# reductions of a stream's last open requests, when the queue has been idle for HARVEST_IDLE_S,
+# or when the session waits for the harvest (fetch, status, stop).
 HARVEST_BATCH_BYTES = 32 << 20
 HARVEST_BATCH_ITEMS = 64
 HARVEST_IDLE_S = 0.02
@@ -131,6 +132,8 @@ class _Reduced:
     req_index: list[int]
     positions: list[int]
     acc: Any  # DrainedRows: layer_id -> (reduced rows, labels, counts)
+    # No reduction of the stream stays open: a generate ended, and a fetch is likely next.
+    closes_stream: bool = False
 
 
 @dataclass
@@ -443,6 +446,12 @@ class CaptureSession:
         gs.step_eager_launches = 0
         gs.step_active = True
 
+    def switch_off(self) -> None:
+        """Before a forward that is not a step (vLLM's dummy, profile and capture runs): the
+        device plans go off, so that its replays capture nothing."""
+        if self.graph_state is not None:
+            self.graph_state.switch_off()
+
     def end_step(self) -> None:
         t0 = time.perf_counter()
         try:
@@ -460,7 +469,6 @@ class CaptureSession:
         for st in self._active_streams():
             if st.pending_conditions and gs.drain_due(st.component):
                 self._drain(st)
-        gs.switch_off()
 
     def _drain(self, st: Stream) -> None:
         """Send the rows ``st`` holds in the device ring to the harvest thread, then the finish
@@ -547,7 +555,7 @@ class CaptureSession:
         positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
                      else [-1] * len(slots))
         self._queue.put(_Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
-                                 drained))
+                                 drained, closes_stream=len(req_ids) == len(st.slots)))
         for r, slot in zip(req_ids, slots):
             del st.slots[r]
             st.free_slots.append(slot)
@@ -589,7 +597,10 @@ class CaptureSession:
             if item is not None and not isinstance(item, _Flush):
                 batch.append(item)
                 batch_bytes += _item_bytes(item)
-                if batch_bytes < HARVEST_BATCH_BYTES and len(batch) < HARVEST_BATCH_ITEMS:
+                # The reductions that close a stream's last open requests are stored at once:
+                # the fetch that follows a generate would otherwise wait for them.
+                if (batch_bytes < HARVEST_BATCH_BYTES and len(batch) < HARVEST_BATCH_ITEMS
+                        and not (isinstance(item, _Reduced) and item.closes_stream)):
                     continue
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
