@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | replay | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | fetch | replay | nodes | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -103,6 +103,10 @@ PY
       timeout 280 python3 benchmarks/graph_replay.py --model ${2:-8b} --engine $e --out "$OUT" >"$OUT/replay_$e.log" 2>&1
       echo "replay $e rc=$? $(grep -E '^\{' "$OUT/replay_$e.log" | tail -1 | cut -c1-1500)"
     done
+    ;;
+  nodes)
+    # What one capture kernel adds to a CUDA graph per launch configuration (no engine, seconds).
+    timeout 200 python3 benchmarks/capture_nodes.py 2>&1 | tee "$OUT/capture_nodes.log" | grep -E "^\{"
     ;;
   startup)
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.

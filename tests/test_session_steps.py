@@ -892,6 +892,34 @@ def test_reductions_closing_a_stream_are_stored_without_waiting_for_a_fetch(monk
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid])
 
 
+def test_a_fetch_stores_the_reductions_it_closes_on_its_own_thread(monkeypatch):
+    """Requests still open at a fetch (vLLM reports them finished only with its next step) are
+    reduced and stored by the fetch itself; those that finished in a step, by the harvest thread.
+    Both land in the store once, with the right rows."""
+    import threading
+
+    engine = Engine(acc_slots=3)
+    ref = RefStream(HS, 3, reduce="last")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="last")
+    stored_by = []
+    store_reduced = engine.session._store_reduced
+
+    def recording(items):
+        stored_by.append((threading.current_thread().name, [r for i in items for r in i.req_ids]))
+        store_reduced(items)
+
+    monkeypatch.setattr(engine.session, "_store_reduced", recording)
+    a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4, 4], gen=[1, 2])
+    engine.step([(a, 2), (b, 3)])
+    engine.step([(a, 1), (b, 1)])  # a finishes
+    engine.step([(b, 1)])  # a's finish is observed; b finishes, unobserved
+    rows = decode_rows(*engine.fetch(HS))
+    assert stored_by == [("vllm-capture-harvest", [a.rid]), (threading.current_thread().name, [b.rid])]
+    check_reduced(ref, rows, [a.rid, b.rid])
+    assert engine.session.stream_status(HS)["host_timers"]["fetch_store_ms"] > 0
+
+
 def test_on_stored_hears_open_reductions_before_their_rows_arrive():
     """A last-token stream stores nothing until its requests finish: the worker hears what they
     will take as soon as they open, so its reply file grows during the generate."""

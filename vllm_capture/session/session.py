@@ -177,6 +177,7 @@ class CaptureSession:
         # lock, beyond those copies). The fetch_*
         # stages are a fetch's, in the worker: reductions still open, enqueueing the copy of the
         # rings' pending rows, waiting for the harvest thread to store everything, planning the
+        # storing the reductions the fetch finalized (store), planning the
         # rows (serialize) and copying them out (write, timed by the caller), of which write_file
         # found and prepared the reply file, write_copy copied the rows, write_keep kept or let
         # go of mappings and write_release let go of the rows' sources, using release_cpu of CPU
@@ -184,7 +185,7 @@ class CaptureSession:
         self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
                         "harvest_sync": 0.0, "harvest_cpu": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
-                        "fetch_serialize": 0.0, "fetch_write": 0.0,
+                        "fetch_store": 0.0, "fetch_serialize": 0.0, "fetch_write": 0.0,
                         **{f"fetch_write_{part}": 0.0 for part in WRITE_PARTS}}
         self._gc_baseline = _gc_timer.seconds
         self._host_steps = 0
@@ -259,15 +260,22 @@ class CaptureSession:
                 raise ValueError(f"Unknown capture stream: {stream!r}")
             return {}
         t0 = time.perf_counter()
+        reduced = None
         if st.config.reduce != "all":
             # Reductions of requests still open are finalized now (capture() fetches after
-            # generate() returned, when every request is done).
-            self._finalize(st, [r for r in list(st.slots)
-                                if req_ids is None or _matches_any(r, req_ids)])
+            # generate() returned, when every request is done; vLLM tells the worker they
+            # finished only with its next step).
+            reduced = self._finalize(st, [r for r in list(st.slots)
+                                          if req_ids is None or _matches_any(r, req_ids)])
         t1 = time.perf_counter()
         self._drain_all()
         t_drain = time.perf_counter()
         self._await_harvest()
+        t_store = time.perf_counter()
+        if reduced is not None:
+            # Stored on this thread, after everything queued before them: handed to the harvest
+            # thread, they would cost the same work plus its wake-up and the GIL's hand-overs.
+            self._store_reduced([reduced])
         t2 = time.perf_counter()
         # Serialize and remove under one store lock: rows the harvest thread appends meanwhile
         # stay for the next fetch instead of being cleared unseen.
@@ -275,7 +283,8 @@ class CaptureSession:
                                     raw_data=raw_data)
         self._host_s["fetch_finalize"] += t1 - t0
         self._host_s["fetch_drain"] += t_drain - t1
-        self._host_s["fetch_wait"] += t2 - t_drain
+        self._host_s["fetch_wait"] += t_store - t_drain
+        self._host_s["fetch_store"] += t2 - t_store
         self._host_s["fetch_serialize"] += time.perf_counter() - t2
         for layer, info in result.items():
             layout = self._layouts.get(stream, {}).get(layer)
@@ -384,7 +393,9 @@ class CaptureSession:
     def _finish_requests(self, req_ids: list[str]) -> None:
         for st in self._active_streams():
             # One device gather for every request that finishes in this step.
-            self._finalize(st, req_ids)
+            reduced = self._finalize(st, req_ids)
+            if reduced is not None:
+                self._queue.put(reduced)
         for req_id in req_ids:
             for st in self._active_streams():
                 if req_id in st.tracks or req_id in st.closed:
@@ -544,18 +555,19 @@ class CaptureSession:
             return True
         return selects_positions_below(track, first_position)
 
-    def _finalize(self, st: Stream, req_ids: list[str]) -> None:
-        """Turn the accumulators of ``req_ids`` into one stored row each (last/mean)."""
+    def _finalize(self, st: Stream, req_ids: list[str]) -> _Reduced | None:
+        """Close the reductions (last/mean) of ``req_ids``: their rows, one per request and
+        layer, on their way to the host, to be stored (None: none of them was open)."""
         req_ids = list(dict.fromkeys(r for r in req_ids if r in st.slots))
         if not req_ids:
-            return
+            return None
         st.repeat = None
         slots = [st.slots[r] for r in req_ids]
         drained = self.graph_state.read_acc_slots(st.component, slots, st.config.reduce == "mean")
         positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
                      else [-1] * len(slots))
-        self._queue.put(_Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
-                                 drained, closes_stream=len(req_ids) == len(st.slots)))
+        reduced = _Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
+                           drained, closes_stream=len(req_ids) == len(st.slots))
         for r, slot in zip(req_ids, slots):
             del st.slots[r]
             st.free_slots.append(slot)
@@ -563,6 +575,7 @@ class CaptureSession:
             # later rows would otherwise start a second, partial reduction.
             st.tracks.pop(r, None)
             st.closed.add(r)
+        return reduced
 
     # ---- harvest thread -------------------------------------------------------------------------
 
@@ -712,9 +725,13 @@ class CaptureSession:
             req_index = torch.tensor(item.req_index, dtype=torch.int32)
             positions = torch.tensor(item.positions, dtype=torch.int32)
             metas: dict[tuple, torch.Tensor] = {}
-            for layer_id, (values, acc_labels, counts) in item.acc.layers.items():
-                empty = counts == 0
-                live = ~empty if bool(empty.any()) else None  # None: every reduction holds rows
+            layers = list(item.acc.layers.items())
+            if not layers:
+                continue  # no layer enabled on this rank
+            # Layers where some request reduced no row (one check for all of them).
+            partial = torch.stack([counts for _, (_, _, counts) in layers]).eq(0).any(dim=1)
+            for (layer_id, (values, acc_labels, counts)), holes in zip(layers, partial.tolist()):
+                live = counts != 0 if holes else None  # None: every reduction holds rows
                 key = (n, id(acc_labels), None if live is None else live.numpy().tobytes())
                 if key not in metas:
                     meta = torch.empty((len(item.req_ids), 3), dtype=torch.int32)

@@ -1,0 +1,117 @@
+"""What one capture kernel adds to a CUDA graph, per launch configuration (no engine).
+
+A graph of ``--layers`` stand-ins for a decoder layer's last kernel (an in-place elementwise op
+on a [T, W] bf16 activation, with a residual) is captured three ways per configuration:
+
+* ``none``: the stand-ins alone;
+* ``exiting``: each followed by the capture kernel of a site whose flag is off;
+* ``last``: each followed by the capture kernel reducing every row into an accumulator slot (a
+  decode step of a last-token stream, one request per row);
+* ``rows``: the same gathering every row into the ring (a decode step of an all-positions stream).
+
+Each graph is replayed ``--replays`` times back to back, timed with CUDA events; the table gives
+microseconds per capture kernel over ``none``. Configurations are ``BLOCK_W x NUM_WARPS`` of
+``vllm_capture.kernels.capture`` (set on the module before the launches, so each compiles its own
+variant). Prints one JSON line per configuration.
+
+    python3 benchmarks/capture_nodes.py [--tokens 64] [--width 4096] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from vllm_capture.kernels import capture as C  # noqa: E402
+from vllm_capture.kernels import layout as L  # noqa: E402
+
+CONFIGS = ((64, 8), (128, 8), (128, 4), (256, 8), (256, 4), (512, 8))
+
+
+def _graph_us(launch, replays: int) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch()  # compile and warm outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            launch()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / replays)
+    return best
+
+
+def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int) -> dict:
+    C.BLOCK_W, C.NUM_WARPS = block_w, warps
+    dev = torch.device("cuda")
+    x = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
+    residual = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
+    ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
+    meta, plan = L.new_plan_buffers(tokens, dev)
+    ring, ring_labels = L.new_ring_buffers(tokens, width, torch.bfloat16, dev)
+    acc, acc_labels, acc_count = L.new_acc_buffers(tokens, width, dev)
+    sites = [L.new_site_buffer(dev) for _ in range(layers)]
+    rows = torch.arange(tokens, dtype=torch.int32, device=dev)
+
+    def set_mode(mode: int, enabled: int) -> None:
+        for site in sites:
+            site[L.SITE_ENABLED] = enabled
+        meta.zero_()
+        meta[L.META_MODE], meta[L.META_COUNT] = mode, tokens
+        if mode == L.MODE_ROWS:
+            plan[L.PLAN_ROW], plan[L.PLAN_REQ], plan[L.PLAN_POS] = rows, 0, rows
+        else:
+            plan[L.PLAN_SEG_START], plan[L.PLAN_SEG_COUNT] = rows, 1
+            plan[L.PLAN_SEG_SLOT], plan[L.PLAN_SEG_REQ] = rows, 0
+
+    def layers_only():
+        for _ in range(layers):
+            x.mul_(1.0)
+
+    def with_capture():
+        for site in sites:
+            x.mul_(1.0)
+            C.launch_capture(x, residual, ids, meta, plan, site, ring, ring_labels,
+                             acc, acc_labels, acc_count)
+
+    base = _graph_us(layers_only, replays)
+    out = {"block_w": block_w, "num_warps": warps, "grid": C.capture_grid(tokens, width, tokens),
+           "none_us": round(base, 2)}
+    for name, mode, enabled in (("exiting", L.MODE_OFF, 0), ("last", L.MODE_LAST, 1),
+                                ("rows", L.MODE_ROWS, 1)):
+        set_mode(mode, enabled)
+        out[f"{name}_us_per_kernel"] = round((_graph_us(with_capture, replays) - base) / layers, 3)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--replays", type=int, default=500)
+    args = p.parse_args()
+    for block_w, warps in CONFIGS:
+        print(json.dumps(measure(args.tokens, args.width, args.layers, args.replays, block_w, warps)),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
