@@ -32,9 +32,9 @@ if str(ROOT) not in sys.path:
 KINDS = ("vanilla", "capture")
 # What vLLM logs about the parts of a start (seconds), when it logs them.
 PHASES = {
-    "compile_s": re.compile(r"torch\.compile takes ([\d.]+) s in total"),
+    "compile_s": re.compile(r"torch\.compile took ([\d.]+) s in total"),
     "graph_capture_s": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
-    "engine_init_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) seconds"),
+    "engine_init_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
 }
 
 

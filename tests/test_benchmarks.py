@@ -366,3 +366,26 @@ def test_results_dir_is_two_levels_with_safe_names(tmp_path):
     assert d.relative_to(tmp_path).parts == ("results", "20260101-120000-full-tiny-moe")
 
 
+
+
+def test_startup_phases_match_the_log_lines_vllm_writes():
+    """startup.py reads the parts of a start from vLLM's log: its patterns must match what vLLM
+    0.26 formats (the messages come from vLLM's own sources, filled in here)."""
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    from benchmarks import startup
+    from vllm.compilation.monitor import monitor_torch_compile
+
+    def source(module: str) -> str:
+        return Path(importlib.util.find_spec(module).origin).read_text()
+
+    compile_line = inspect.signature(monitor_torch_compile).parameters["message"].default % 12.5
+    init_line = re.search(r'"(init engine \(profile, create kv cache, warmup model\) took %\.2f s)"',
+                          source("vllm.v1.engine.core")).group(1) % 41.25
+    capture_line = re.search(r'"(Graph capturing finished in %\.0f secs, took %\.2f GiB)"',
+                             source("vllm.v1.worker.gpu.model_runner")).group(1) % (3, 0.5)
+    log = f"INFO {compile_line}\nINFO {capture_line}\nINFO {init_line}\n"
+    found = {name: [float(v) for v in pattern.findall(log)] for name, pattern in startup.PHASES.items()}
+    assert found == {"compile_s": [12.5], "graph_capture_s": [3.0], "engine_init_s": [41.25]}
