@@ -1,7 +1,7 @@
 """What one capture kernel adds to a CUDA graph, per launch configuration (no engine).
 
-A graph of ``--layers`` stand-ins for a decoder layer's last kernel (an in-place elementwise op
-on a [T, W] bf16 activation, with a residual) is captured three ways per configuration:
+A graph of ``--layers`` stand-ins for a decoder layer's last kernel (an in-place sign flip of a
+[T, W] bf16 activation, with a residual) is captured four ways per configuration:
 
 * ``none``: the stand-ins alone;
 * ``exiting``: each followed by the capture kernel of a site whose flag is off;
@@ -12,7 +12,9 @@ on a [T, W] bf16 activation, with a residual) is captured three ways per configu
 Each graph is replayed ``--replays`` times back to back, timed with CUDA events; the table gives
 microseconds per capture kernel over ``none``. Configurations are ``BLOCK_W x NUM_WARPS`` of
 ``vllm_capture.kernels.capture`` (set on the module before the launches, so each compiles its own
-variant). Prints one JSON line per configuration.
+variant), and whether the kernel is launched with programmatic dependent launch
+(``launch_capture(pdl=True)``: its launch may overlap the end of the stand-in before it). Prints one
+JSON line per configuration.
 
     python3 benchmarks/capture_nodes.py [--tokens 64] [--width 4096] [--layers 32]
 """
@@ -33,7 +35,9 @@ import torch  # noqa: E402
 from vllm_capture.kernels import capture as C  # noqa: E402
 from vllm_capture.kernels import layout as L  # noqa: E402
 
-CONFIGS = ((64, 8), (128, 8), (128, 4), (256, 8), (256, 4), (512, 8))
+# (BLOCK_W, NUM_WARPS, programmatic dependent launch)
+CONFIGS = ((64, 8, False), (128, 8, False), (128, 4, False), (256, 8, False), (256, 4, False),
+           (512, 8, False), (64, 8, True))
 
 
 def _graph_us(launch, replays: int) -> float:
@@ -57,7 +61,8 @@ def _graph_us(launch, replays: int) -> float:
     return best
 
 
-def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int) -> dict:
+def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int,
+            pdl: bool) -> dict:
     C.BLOCK_W, C.NUM_WARPS = block_w, warps
     dev = torch.device("cuda")
     x = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
@@ -82,21 +87,29 @@ def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, wa
 
     def layers_only():
         for _ in range(layers):
-            x.mul_(1.0)
+            x.neg_()
 
     def with_capture():
         for site in sites:
-            x.mul_(1.0)
+            x.neg_()
             C.launch_capture(x, residual, ids, meta, plan, site, ring, ring_labels,
-                             acc, acc_labels, acc_count)
+                             acc, acc_labels, acc_count, pdl=pdl)
 
     base = _graph_us(layers_only, replays)
-    out = {"block_w": block_w, "num_warps": warps, "grid": C.capture_grid(tokens, width, tokens),
+    out = {"block_w": block_w, "num_warps": warps, "pdl": pdl,
+           "grid": C.capture_grid(tokens, width, tokens),
            "none_us": round(base, 2)}
     for name, mode, enabled in (("exiting", L.MODE_OFF, 0), ("last", L.MODE_LAST, 1),
                                 ("rows", L.MODE_ROWS, 1)):
         set_mode(mode, enabled)
         out[f"{name}_us_per_kernel"] = round((_graph_us(with_capture, replays) - base) / layers, 3)
+    # The last site read the activation as its stand-in left it (a read that overtook the stand-in,
+    # as a wrong programmatic launch would, sees the other sign; `layers` is even).
+    want = x.float() + residual.float()
+    out["rows_right"] = bool(torch.equal(ring, want.to(ring.dtype)))
+    set_mode(L.MODE_LAST, 1)
+    _graph_us(with_capture, 1)
+    out["last_right"] = bool(torch.equal(acc, want))
     return out
 
 
@@ -104,12 +117,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--width", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layers", type=int, default=32, help="an even number")
     p.add_argument("--replays", type=int, default=500)
     args = p.parse_args()
-    for block_w, warps in CONFIGS:
-        print(json.dumps(measure(args.tokens, args.width, args.layers, args.replays, block_w, warps)),
-              flush=True)
+    for block_w, warps, pdl in CONFIGS:
+        try:
+            out = measure(args.tokens, args.width, args.layers, args.replays, block_w, warps, pdl)
+        except Exception as exc:  # one configuration the driver refuses does not end the table
+            out = {"block_w": block_w, "num_warps": warps, "pdl": pdl, "error": repr(exc)[:300]}
+        print(json.dumps(out), flush=True)
     return 0
 
 
