@@ -8,8 +8,9 @@ reuses the Triton kernels and Inductor code the first one compiled. So every kin
 cache root of its own (``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``):
 its first start is cold, its next start in the same order list is warm (what a user restarting
 an engine sees). Each start runs in a fresh process and times ``LLM(...)`` until it returns, CUDA
-graphs and torch.compile on (vLLM's defaults). Prints one line per start and the capture/vanilla
-ratios last; writes ``startup.json`` into ``--out``.
+graphs and torch.compile on (vLLM's defaults). Prints one line per start (a capture start also
+gives what capture's own parts took: its install at model load, of which the kernel warm-up, and
+the graph copies) and the capture/vanilla ratios last; writes ``startup.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def start_once(kind: str, folder: str, cpu: bool) -> float:
     t = time.perf_counter()
     llm = vc.LLM(folder, **kw) if kind == "capture" else LLM(folder, **kw)
     seconds = time.perf_counter() - t
+    if kind == "capture":
+        status = vc.capture_status(llm)
+        parts = dict(status["startup_ms"])
+        if status["graph_nodes"] is not None:
+            parts["graph_copies"] = status["graph_nodes"]["copy_ms"]
+        print(f"CAPTURE_STARTUP_MS {json.dumps(parts)}", flush=True)
     del llm
     return seconds
 
@@ -99,6 +106,9 @@ def main() -> int:
         for name, pattern in PHASES.items():
             hit = pattern.findall(log)
             start[name] = float(hit[-1]) if hit else None
+        parts = re.search(r"CAPTURE_STARTUP_MS (\{.*\})", proc.stdout)
+        if parts:
+            start["capture_parts_ms"] = json.loads(parts.group(1))
         if found is None:
             start["log_tail"] = log[-2000:]
         starts.append(start)

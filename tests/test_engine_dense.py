@@ -99,7 +99,12 @@ def _quick_capture_ok(llm) -> None:
     fed = fed_tokens(ids, res.outputs[0])
     assert sorted(res.layers) == list(range(NUM_LAYERS))
     check_result_labels(res, [fed], [range(len(fed))])
-    assert capture_status(llm)["enabled"] is False
+    status = capture_status(llm)
+    assert status["enabled"] is False
+    # What capture added to the start, timed at model load (the kernel warm-up is part of it).
+    startup = status["startup_ms"]
+    assert set(startup) == {"install", "kernel_warmup"}
+    assert 0 <= startup["kernel_warmup"] <= startup["install"] and startup["install"] > 0
 
 
 # ---- 1. fidelity ---------------------------------------------------------------------------------

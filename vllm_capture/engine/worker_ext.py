@@ -75,6 +75,7 @@ def install(worker) -> CaptureSession | None:
             # Sequence parallelism shards the residual stream by token: a rank's rows would no
             # longer be the step's rows.
             raise ValueError(f"vllm-capture needs compilation_config.pass_config.{flag}=False")
+    started = time.perf_counter()
     model = runner.get_model()
     model_config = worker.vllm_config.model_config
     targets = [t for t in find_targets(model, model_config.get_hidden_size(), model_config.dtype)
@@ -97,9 +98,13 @@ def install(worker) -> CaptureSession | None:
     rank = tp_rank_and_size()["tp_rank"]
     session = CaptureSession(state, layouts,
                              rank0_only=() if rank == 0 else REPLICATED_COMPONENTS)
-    state.set_input_ids(wrap_runner(runner, session))
+    warmup_started = time.perf_counter()
+    state.set_input_ids(wrap_runner(runner, session))  # compiles the kernel variants
     set_site_handler(state.handle)
     setattr(worker, SESSION_ATTR, session)
+    done = time.perf_counter()
+    session.startup_ms.update(install=round((done - started) * 1e3, 1),
+                              kernel_warmup=round((done - warmup_started) * 1e3, 1))
     logger.info("vllm-capture: %d call sites instrumented (%s), %d rows/step, %.1f MiB of buffers",
                 len(targets), ", ".join(f"{c}={sum(t.component == c for t in targets)}"
                                         for c in cfg.components),

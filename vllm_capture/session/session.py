@@ -189,6 +189,9 @@ class CaptureSession:
                         **{f"fetch_write_{part}": 0.0 for part in WRITE_PARTS}}
         self._gc_baseline = _gc_timer.seconds
         self._host_steps = 0
+        # What capture added to the engine's start, by part (the worker fills it in at load;
+        # graph copies are in the graph_nodes status).
+        self.startup_ms: dict[str, float] = {}
         # Told, after the harvest thread stores rows or reductions open, the most bytes a fetch
         # of one active stream would carry (the worker prepares its reply file, shm.want_spare).
         self.on_stored: Callable[[int], None] | None = None
@@ -315,6 +318,7 @@ class CaptureSession:
             "eager_capture_forwards": self.eager_capture_forwards(),
             # Capture nodes in captured graphs, and how many are switched off (idle sites).
             "graph_nodes": (None if gs is None or gs.nodes is None else gs.nodes.status()),
+            "startup_ms": dict(self.startup_ms),
             "host_timers": {"steps": self._host_steps,
                             **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()},
                             "gc_ms": round((_gc_timer.seconds - self._gc_baseline) * 1e3, 3)},
