@@ -172,16 +172,16 @@ class CaptureSession:
         self._eager_forwards = 0
         # Host time the step path spends in capture code (begin/end of a step, finished requests).
         # "harvest" is the harvest thread's (off the step path, but it shares the GIL), of which
-        # "harvest_sync" waited for device-to-host copies to finish; "harvest_cpu" is the CPU
-        # time the thread spent in it (harvest far above harvest_cpu: it waited, for the GIL or a
-        # lock, beyond those copies). The fetch_*
-        # stages are a fetch's, in the worker: reductions still open, enqueueing the copy of the
-        # rings' pending rows, waiting for the harvest thread to store everything, planning the
-        # storing the reductions the fetch finalized (store), planning the
-        # rows (serialize) and copying them out (write, timed by the caller), of which write_file
-        # found and prepared the reply file, write_copy copied the rows, write_keep kept or let
-        # go of mappings and write_release let go of the rows' sources, using release_cpu of CPU
-        # time (shm.WRITE_PARTS).
+        # "harvest_sync" waited for device-to-host copies to finish (a fetch storing reductions
+        # itself adds its wait there too); "harvest_cpu" is the CPU time the thread spent in it
+        # (harvest far above harvest_cpu: it waited, for the GIL or a lock, beyond those copies).
+        # The fetch_* stages are a fetch's, in the worker: reductions still open, enqueueing the
+        # copy of the rings' pending rows, waiting for the harvest thread to store everything,
+        # storing the reductions the fetch finalized (store), planning the rows (serialize) and
+        # copying them out (write, timed by the caller), of which write_file found and prepared
+        # the reply file, write_copy copied the rows, write_keep kept or let go of mappings and
+        # write_release let go of the rows' sources, using release_cpu of CPU time
+        # (shm.WRITE_PARTS).
         self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
                         "harvest_sync": 0.0, "harvest_cpu": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
