@@ -480,12 +480,12 @@ def test_index_recycles_only_once_drains_over_many_chunks_empty_it(drain):
     for step in range(steps):
         for layer in range(layers):
             store.append(layer, *_interleaved([(b, step), (a, step)], layer=layer), f"l{layer}")
-    store.finish_request("a")
+    store.finish_requests(["a"])
     if drain == "by_request":
         select = {"req_ids": ["a"]}
     else:  # whole layers: a and b leave together
         select = {}
-        store.finish_request("b")
+        store.finish_requests(["b"])
     for layer in (2, 0):
         labels, _ = _fetch(store, layers=[layer], clear_selected=True, **select)
         assert labels[layer][:steps] == [("a", step) for step in range(steps)]
@@ -714,7 +714,7 @@ def test_store_matches_a_reference_model_under_random_operations(seed):
                     remove(set(rank))
         elif op < 0.88:
             req_id = active.pop(rng.randrange(len(active)))
-            store.finish_request(req_id)
+            store.finish_requests([req_id])
             finished.add(req_id)
         elif op < 0.93 and servable:
             req_id = rng.choice(servable)
@@ -788,7 +788,7 @@ def test_finished_and_drained_index_is_recycled():
     a, b = store.request_index("a"), store.request_index("b")
     assert (a, b) == (0, 1) and store.request_index("a") == a
     store.append(0, *_rows(a, [0, 1]), "l0")
-    store.finish_request("a")
+    store.finish_requests(["a"])
     assert store.request_index("c") == 2  # a's rows remain: index 0 is held
     store.serialize(req_ids=["b"], clear_selected=True)
     assert store.request_index("d") == 3
@@ -814,8 +814,8 @@ def test_unfinished_request_keeps_its_index_after_draining():
 def test_finish_without_rows_recycles_at_once_and_released_index_is_refused():
     store = StreamStore(StreamConfig(budget_rows=100))
     a = store.request_index("a")
-    store.finish_request("a")
-    store.finish_request("never-seen")
+    store.finish_requests(["a"])
+    store.finish_requests(["never-seen"])
     with pytest.raises(RuntimeError, match="never assigned"):
         store.append(0, *_rows(a, [0]), "l0")
     assert store.request_index("b") == a
@@ -825,7 +825,7 @@ def test_clear_keeps_active_indices_and_releases_finished_ones():
     store = StreamStore(StreamConfig(budget_rows=1))
     a, b = store.request_index("a"), store.request_index("b")
     store.append(0, *_interleaved([(a, 0), (b, 0)]), "l0")
-    store.finish_request("b")
+    store.finish_requests(["b"])
     store.mark_elided("zz")
     store.clear()
     assert store.status() == {
@@ -917,7 +917,7 @@ def test_concurrent_appends_and_drains_return_every_row_exactly_once():
                     for layer in range(layers):
                         store.append(layer, *_interleaved(pairs, layer=layer), f"l{layer}")
                 for name in names:
-                    store.finish_request(name)
+                    store.finish_requests([name])
         except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
             errors.append(exc)
 

@@ -138,8 +138,11 @@ class _Reduced:
 
 @dataclass
 class _Finish:
+    """Requests of one stream that finished in one step (one queue item for all of them: each
+    put wakes the harvest thread, which then contends for the GIL with the step path)."""
+
     store: StreamStore
-    req_id: str
+    req_ids: list[str]
 
 
 class _Opened:
@@ -400,16 +403,18 @@ class CaptureSession:
             reduced = self._finalize(st, req_ids)
             if reduced is not None:
                 self._queue.put(reduced)
+            finished = [r for r in dict.fromkeys(req_ids) if r in st.tracks or r in st.closed]
+            if not finished:
+                continue
+            st.repeat = None
+            for req_id in finished:
+                st.tracks.pop(req_id, None)
+                st.closed.discard(req_id)
+            if st.pending_conditions:
+                st.pending_finishes.append(_Finish(st.store, finished))
+            else:
+                self._queue.put(_Finish(st.store, finished))
         for req_id in req_ids:
-            for st in self._active_streams():
-                if req_id in st.tracks or req_id in st.closed:
-                    st.repeat = None
-                    st.tracks.pop(req_id, None)
-                    st.closed.discard(req_id)
-                    if st.pending_conditions:
-                        st.pending_finishes.append(_Finish(st.store, req_id))
-                    else:
-                        self._queue.put(_Finish(st.store, req_id))
             self._requests.pop(req_id, None)
             self._unsupported_requests.pop(req_id, None)
 
@@ -693,7 +698,7 @@ class CaptureSession:
             self._store_reduced(items)
         for item in batch:
             if isinstance(item, _Finish):
-                item.store.finish_request(item.req_id)
+                item.store.finish_requests(item.req_ids)
 
     def _drained_rows(self, item: _Drained) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """``({layer: rows}, labels)`` of one drained step, with conditional rows decided."""

@@ -210,7 +210,7 @@ class StreamStore:
     An index returns to the pool only when its request has finished AND none
     of its rows remain (a per-request live-row count), so a recycled index
     can never make old rows look like they belong to a new request. The
-    session must call ``finish_request`` only after every row of that
+    session must call ``finish_requests`` only after every row of that
     request has been appended (after the drain of its last step): rows that
     arrive for a released index would otherwise be refused, or, once it is
     reused, attributed to its new owner.
@@ -321,14 +321,12 @@ class StreamStore:
             new[: old.size] = old
             setattr(self, name, new)
 
-    def finish_request(self, req_id: str) -> None:
-        """Let the request's index be recycled once its rows are drained."""
+    def finish_requests(self, req_ids) -> None:
+        """Let the requests' indices be recycled once their rows are drained."""
         with self.lock:
-            index = self._req_index.get(req_id)
-            if index is None:
-                return
-            self._finished.add(index)
-            self._reclaim_requests({index})
+            indices = {self._req_index[r] for r in req_ids if r in self._req_index}
+            self._finished |= indices
+            self._reclaim_requests(indices)
 
     def fail_request(self, req_id: str, reason: str) -> None:
         """Record that a request's capture is invalid.
