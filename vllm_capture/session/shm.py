@@ -211,8 +211,8 @@ def worker_sees(probe: Any) -> bool:
 # Parts of a reply file's write, timed for the caller (``write_reply(parts=...)``): finding and
 # preparing the file (pool, spare or new; populating it; the worker adds its probe check),
 # copying the rows, keeping the mapping, and letting go of the rows' sources once they are in
-# the file; then the CPU time that letting go took (far below its wall time: it waited, on a lock
-# or the GIL).
+# the file; then the CPU time that letting go took (far below its wall time would mean it waited,
+# on a lock or the GIL; on the H200 the two were equal: work).
 WRITE_PARTS = ("file", "copy", "keep", "release", "release_cpu")
 
 
