@@ -532,7 +532,8 @@ class Suite:
             self.suite = replace(self.suite, max_capture_gb=args.max_capture_gb)
         if args.tp:
             self.suite = replace(self.suite, tensor_parallel_size=args.tp)
-        self.suite = S.select(self.suite, engines=args.engines, workloads=args.workloads)
+        self.suite = S.select(self.suite, engines=args.engines, workloads=args.workloads,
+                              scenarios=args.scenarios)
         self.shape = S.MODELS[self.suite.model]
         self.t0 = time.time()
         self.end = self.t0 + self.suite.budget_s
@@ -733,6 +734,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--tp", type=int, help="tensor_parallel_size of every engine (default 1)")
     p.add_argument("--engines", help=f"comma list, a subset of {','.join(S.ENGINES)} (default: all the suite needs)")
     p.add_argument("--workloads", help="comma list of workload names, e.g. decode-c64,prefill-c64")
+    p.add_argument("--scenarios", help="comma list of scenario names, e.g. vanilla,hidden-last "
+                   "(default: all the suite has; ratios need vanilla)")
     p.add_argument("--engine-worker", metavar="JOB", help=argparse.SUPPRESS)
     p.add_argument("--probe-worker", metavar="RESULT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -429,10 +429,18 @@ def plan_engine(suite: Suite, shape: ModelShape, engine: str):
     return plan, skips
 
 
-def select(suite: Suite, engines: str | None = None, workloads: str | None = None) -> Suite:
-    """The suite restricted to comma-listed engines and/or workload names (None: unchanged)."""
+def select(suite: Suite, engines: str | None = None, workloads: str | None = None,
+           scenarios: str | None = None) -> Suite:
+    """The suite restricted to comma-listed engines, workload names and/or scenario names (None:
+    unchanged)."""
     from dataclasses import replace
 
+    if scenarios:
+        keep = [s.strip() for s in scenarios.split(",") if s.strip()]
+        bad = [s for s in keep if s not in suite.scenarios]
+        if bad:
+            raise ValueError(f"--scenarios: unknown {bad}; this suite has {list(suite.scenarios)}")
+        suite = replace(suite, scenarios=tuple(s for s in suite.scenarios if s in keep))
     if engines:
         keep = [e.strip() for e in engines.split(",") if e.strip()]
         bad = [e for e in keep if e not in ENGINES]

@@ -167,6 +167,11 @@ def test_select_engines_and_workloads():
     assert [(w.name, w.prompt_len) for w in named.workloads] == [("decode-c1", 32),
                                                                    ("prefill-c256", 2048)]
     assert named.max_num_seqs == 256
+    two = S.select(full, scenarios="vanilla,hidden-last")
+    assert two.scenarios == ("vanilla", "hidden-last")
+    assert two.engines_for(S.MODELS["8b"]) == ["vanilla-graph", "capture-graph"]
+    with pytest.raises(ValueError, match="--scenarios"):
+        S.select(full, scenarios="hidden-everything")
 
 
 def test_make_suite_rejects_unknown():

@@ -866,30 +866,68 @@ def test_reductions_finalized_in_several_steps_are_stored_as_one_chunk_per_layer
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid, c.rid])
 
 
-def test_reductions_closing_a_stream_are_stored_without_waiting_for_a_fetch(monkeypatch):
-    """Once the last open request of a last-token stream finishes (a generate ended), the harvest
-    thread stores the reductions at once, so the fetch that follows does not wait for them; while
-    other requests stay open, it keeps batching them."""
-    import vllm_capture.session.session as session_module
+def test_reductions_closing_a_stream_wait_for_the_fetch_which_stores_them(monkeypatch):
+    """Once the last open request of a last-token stream finishes (a generate ended), its
+    reductions and finish marker are held, not queued: the fetch that follows stores them on its
+    own thread instead of waiting for the harvest thread. Reductions closed while other requests
+    stay open still go to the harvest thread."""
+    import threading
 
-    monkeypatch.setattr(session_module, "HARVEST_IDLE_S", 60.0)  # store only when asked
     engine = Engine(acc_slots=3)
     ref = RefStream(HS, 3, reduce="last")
     engine.refs = [ref]
     engine.session.enable_stream(HS, reduce="last")
-    store = engine.session._streams[HS].store
+    st = engine.session._streams[HS]
+    stored_by = []
+    store_reduced = engine.session._store_reduced
+
+    def recording(items):
+        stored_by.append((threading.current_thread().name, [r for i in items for r in i.req_ids]))
+        store_reduced(items)
+
+    monkeypatch.setattr(engine.session, "_store_reduced", recording)
     a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4, 4], gen=[1, 2])
     engine.step([(a, 2), (b, 3)])
     engine.step([(a, 1), (b, 1)])  # a finishes, b stays open
-    engine.step([(b, 1)])
-    time.sleep(0.2)
-    assert store.bytes_stored == 0
-    engine.step([])  # b finishes: no reduction stays open
-    deadline = time.monotonic() + 10
-    while store.bytes_stored == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.bytes_stored > 0
-    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid])
+    engine.step([(b, 1)])  # a's finish is observed
+    engine.step([])  # b's: no reduction stays open
+    assert [type(item).__name__ for item in st.closing] == ["_Reduced", "_Finish"]
+    time.sleep(0.2)  # the harvest thread has a's reduction, never b's
+    assert [rid for _, rids in stored_by for rid in rids] == [a.rid]
+    rows = decode_rows(*engine.fetch(HS))
+    me = threading.current_thread().name
+    assert stored_by == [("vllm-capture-harvest", [a.rid]), (me, [b.rid])]
+    assert st.closing == []
+    check_reduced(ref, rows, [a.rid, b.rid])
+
+
+@pytest.mark.parametrize("then", ["status", "next generate"])
+def test_held_closing_reductions_go_to_the_harvest_thread_when_the_store_is_needed_first(then):
+    """Held closing reductions are not lost when no fetch comes next: a status (which reports
+    what is stored) or the next generate's requests hand them to the harvest thread, and the
+    fetch after that returns every request's row."""
+    engine = Engine(acc_slots=2)
+    ref = RefStream(HS, 3, reduce="last")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="last")
+    st = engine.session._streams[HS]
+    a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4], gen=[1])
+    engine.step([(a, 2), (b, 2)])
+    engine.step([(a, 1), (b, 1)])  # both finish
+    engine.step([])
+    assert st.closing
+    expected = [a.rid, b.rid]
+    if then == "status":
+        assert engine.session.stream_status(HS)["tokens_stored"] == 2
+        assert st.closing == []
+    else:
+        c = Req(num=2, prompt=[2, 0, 1], gen=[4])
+        engine.step([(c, 3)])  # takes a freed slot
+        assert st.closing == []
+        engine.step([(c, 1)])
+        engine.step([])
+        expected.append(c.rid)
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), expected)
 
 
 def test_a_fetch_stores_the_reductions_it_closes_on_its_own_thread(monkeypatch):
