@@ -22,6 +22,7 @@ import json
 import random
 import time
 import textwrap
+import threading
 import types
 import warnings
 from dataclasses import dataclass
@@ -866,18 +867,13 @@ def test_reductions_finalized_in_several_steps_are_stored_as_one_chunk_per_layer
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid, c.rid])
 
 
-def test_reductions_closing_a_stream_wait_for_the_fetch_which_stores_them(monkeypatch):
-    """Once the last open request of a last-token stream finishes (a generate ended), its
-    reductions and finish marker are held, not queued: the fetch that follows stores them on its
-    own thread instead of waiting for the harvest thread. Reductions closed while other requests
-    stay open still go to the harvest thread."""
-    import threading
-
+def _last_token_engine_recording_stores(monkeypatch):
+    """A last-token engine with two requests, a (one step of decode) and b (two), whose
+    reduction stores are recorded as (thread name, request ids)."""
     engine = Engine(acc_slots=3)
     ref = RefStream(HS, 3, reduce="last")
     engine.refs = [ref]
     engine.session.enable_stream(HS, reduce="last")
-    st = engine.session._streams[HS]
     stored_by = []
     store_reduced = engine.session._store_reduced
 
@@ -886,18 +882,28 @@ def test_reductions_closing_a_stream_wait_for_the_fetch_which_stores_them(monkey
         store_reduced(items)
 
     monkeypatch.setattr(engine.session, "_store_reduced", recording)
-    a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4, 4], gen=[1, 2])
+    return engine, ref, stored_by, (Req(num=0, prompt=[1, 2], gen=[3]),
+                                    Req(num=1, prompt=[4, 4, 4], gen=[1, 2]))
+
+
+def test_reductions_closing_a_stream_wait_for_the_fetch_which_stores_them(monkeypatch):
+    """Once the last open request of a last-token stream finishes (a generate ended), its
+    reductions and finish marker are held, not queued: the fetch that follows stores them on its
+    own thread instead of waiting for the harvest thread. Reductions closed while other requests
+    stay open still go to the harvest thread."""
+    engine, ref, stored_by, (a, b) = _last_token_engine_recording_stores(monkeypatch)
+    stream = engine.session._streams[HS]
     engine.step([(a, 2), (b, 3)])
     engine.step([(a, 1), (b, 1)])  # a finishes, b stays open
     engine.step([(b, 1)])  # a's finish is observed
     engine.step([])  # b's: no reduction stays open
-    assert [type(item).__name__ for item in st.closing] == ["_Reduced", "_Finish"]
+    assert [type(item).__name__ for item in stream.closing] == ["_Reduced", "_Finish"]
     time.sleep(0.2)  # the harvest thread has a's reduction, never b's
     assert [rid for _, rids in stored_by for rid in rids] == [a.rid]
     rows = decode_rows(*engine.fetch(HS))
     me = threading.current_thread().name
     assert stored_by == [("vllm-capture-harvest", [a.rid]), (me, [b.rid])]
-    assert st.closing == []
+    assert stream.closing == []
     check_reduced(ref, rows, [a.rid, b.rid])
 
 
@@ -910,20 +916,20 @@ def test_held_closing_reductions_go_to_the_harvest_thread_when_the_store_is_need
     ref = RefStream(HS, 3, reduce="last")
     engine.refs = [ref]
     engine.session.enable_stream(HS, reduce="last")
-    st = engine.session._streams[HS]
+    stream = engine.session._streams[HS]
     a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4], gen=[1])
     engine.step([(a, 2), (b, 2)])
     engine.step([(a, 1), (b, 1)])  # both finish
     engine.step([])
-    assert st.closing
+    assert stream.closing
     expected = [a.rid, b.rid]
     if then == "status":
         assert engine.session.stream_status(HS)["tokens_stored"] == 2
-        assert st.closing == []
+        assert stream.closing == []
     else:
         c = Req(num=2, prompt=[2, 0, 1], gen=[4])
         engine.step([(c, 3)])  # takes a freed slot
-        assert st.closing == []
+        assert stream.closing == []
         engine.step([(c, 1)])
         engine.step([])
         expected.append(c.rid)
@@ -934,21 +940,7 @@ def test_a_fetch_stores_the_reductions_it_closes_on_its_own_thread(monkeypatch):
     """Requests still open at a fetch (vLLM reports them finished only with its next step) are
     reduced and stored by the fetch itself; those that finished in a step, by the harvest thread.
     Both land in the store once, with the right rows."""
-    import threading
-
-    engine = Engine(acc_slots=3)
-    ref = RefStream(HS, 3, reduce="last")
-    engine.refs = [ref]
-    engine.session.enable_stream(HS, reduce="last")
-    stored_by = []
-    store_reduced = engine.session._store_reduced
-
-    def recording(items):
-        stored_by.append((threading.current_thread().name, [r for i in items for r in i.req_ids]))
-        store_reduced(items)
-
-    monkeypatch.setattr(engine.session, "_store_reduced", recording)
-    a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4, 4], gen=[1, 2])
+    engine, ref, stored_by, (a, b) = _last_token_engine_recording_stores(monkeypatch)
     engine.step([(a, 2), (b, 3)])
     engine.step([(a, 1), (b, 1)])  # a finishes
     engine.step([(b, 1)])  # a's finish is observed; b finishes, unobserved
