@@ -12,9 +12,10 @@ A graph of ``--layers`` stand-ins for a decoder layer's last kernel (an in-place
 Each graph is replayed ``--replays`` times back to back, timed with CUDA events; the table gives
 microseconds per capture kernel over ``none``. Configurations are ``BLOCK_W x NUM_WARPS`` of
 ``vllm_capture.kernels.capture`` (set on the module before the launches, so each compiles its own
-variant), and whether the kernel is launched with programmatic dependent launch
-(``launch_capture(pdl=True)``: its launch may overlap the end of the stand-in before it). Prints one
-JSON line per configuration.
+variant). Prints one JSON line per configuration. Session 11 also measured a launch with
+programmatic dependent launch (the kernel's launch overlapping the end of the stand-in): 0.3 us
+saved on a last-token kernel, 0.14-0.16 us lost on the others; not kept
+(``benchmarks/results/2026-12-01-h200-session11/README.md``).
 
     python3 benchmarks/capture_nodes.py [--tokens 64] [--width 4096] [--layers 32]
 """
@@ -35,9 +36,8 @@ import torch  # noqa: E402
 from vllm_capture.kernels import capture as C  # noqa: E402
 from vllm_capture.kernels import layout as L  # noqa: E402
 
-# (BLOCK_W, NUM_WARPS, programmatic dependent launch)
-CONFIGS = ((64, 8, False), (128, 8, False), (128, 4, False), (256, 8, False), (256, 4, False),
-           (512, 8, False), (64, 8, True))
+# (BLOCK_W, NUM_WARPS)
+CONFIGS = ((64, 8), (128, 8), (128, 4), (256, 8), (256, 4), (512, 8))
 
 
 def _graph_us(launch, replays: int) -> float:
@@ -61,8 +61,7 @@ def _graph_us(launch, replays: int) -> float:
     return best
 
 
-def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int,
-            pdl: bool) -> dict:
+def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int) -> dict:
     C.BLOCK_W, C.NUM_WARPS = block_w, warps
     dev = torch.device("cuda")
     x = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
@@ -93,18 +92,18 @@ def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, wa
         for site in sites:
             x.neg_()
             C.launch_capture(x, residual, ids, meta, plan, site, ring, ring_labels,
-                             acc, acc_labels, acc_count, pdl=pdl)
+                             acc, acc_labels, acc_count)
 
     base = _graph_us(layers_only, replays)
-    out = {"block_w": block_w, "num_warps": warps, "pdl": pdl,
+    out = {"block_w": block_w, "num_warps": warps,
            "grid": C.capture_grid(tokens, width, tokens),
            "none_us": round(base, 2)}
     for name, mode, enabled in (("exiting", L.MODE_OFF, 0), ("last", L.MODE_LAST, 1),
                                 ("rows", L.MODE_ROWS, 1)):
         set_mode(mode, enabled)
         out[f"{name}_us_per_kernel"] = round((_graph_us(with_capture, replays) - base) / layers, 3)
-    # The last site read the activation as its stand-in left it (a read that overtook the stand-in,
-    # as a wrong programmatic launch would, sees the other sign; `layers` is even).
+    # The last site read the activation as its stand-in left it (a read that overtook the stand-in
+    # would see the other sign; `layers` is even).
     want = x.float() + residual.float()
     out["rows_right"] = bool(torch.equal(ring, want.to(ring.dtype)))
     set_mode(L.MODE_LAST, 1)
@@ -120,11 +119,11 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=32, help="an even number")
     p.add_argument("--replays", type=int, default=500)
     args = p.parse_args()
-    for block_w, warps, pdl in CONFIGS:
+    for block_w, warps in CONFIGS:
         try:
-            out = measure(args.tokens, args.width, args.layers, args.replays, block_w, warps, pdl)
+            out = measure(args.tokens, args.width, args.layers, args.replays, block_w, warps)
         except Exception as exc:  # one configuration the driver refuses does not end the table
-            out = {"block_w": block_w, "num_warps": warps, "pdl": pdl, "error": repr(exc)[:300]}
+            out = {"block_w": block_w, "num_warps": warps, "error": repr(exc)[:300]}
         print(json.dumps(out), flush=True)
     return 0
 

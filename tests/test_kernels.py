@@ -206,9 +206,6 @@ def run_all(x, residual, ids, b, *, triton=True):
     if triton and K.HAVE_TRITON:
         impls["triton"] = lambda bb: K.launch_capture(x, residual, ids, *(bb[k] for k in BUFS),
                                                       use_triton=True)
-        # Programmatic dependent launch is CUDA-only: elsewhere the flag must change nothing.
-        impls["triton_pdl"] = lambda bb: K.launch_capture(x, residual, ids, *(bb[k] for k in BUFS),
-                                                          use_triton=True, pdl=True)
     for name, fn in impls.items():
         bb = clone(b)
         fn(bb)

@@ -50,8 +50,6 @@ MEAN_SHORT = 16
 NUM_WARPS = 8
 
 if HAVE_TRITON:
-    from triton.language.extra.cuda import gdc_wait
-
     from .accumulate import accumulate_segments_tile
     from .gather import gather_rows_tile
 
@@ -76,7 +74,7 @@ if HAVE_TRITON:
         T, W, cap, ring_rows, acc_slots, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         HAS_RES: tl.constexpr, UNIT_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-        BLOCK_T: tl.constexpr, SHORT: tl.constexpr, GDC_WAIT: tl.constexpr,
+        BLOCK_T: tl.constexpr, SHORT: tl.constexpr,
     ):
         """grid = (max(1, cdiv(min(T, cap), BLOCK_R)), max(1, cdiv(W, BLOCK_W))).
 
@@ -87,11 +85,6 @@ if HAVE_TRITON:
         once the previous one allowed it cost five, and at decode a site's launch is mostly
         waiting. The atomics are relaxed: nothing in the kernel waits for them, and the host
         reads the counters after the step.
-
-        ``GDC_WAIT`` (a launch with programmatic dependent launch, ``launch_capture(pdl=True)``):
-        the kernel may start while the kernel before it still runs, so a program with work waits
-        for that kernel (``griddepcontrol.wait``) before it reads the activation; the site, meta
-        and plan were written before the step began.
         """
         pid_r = tl.program_id(0)
         pid_w = tl.program_id(1)
@@ -110,8 +103,6 @@ if HAVE_TRITON:
         plan2 = tl.load(plan_ptr + e * _PLAN_FIELDS + 2, mask=e_ok, other=-1)
         plan3 = tl.load(plan_ptr + e * _PLAN_FIELDS + 3, mask=e_ok, other=0)
         if enabled != 0:
-            if GDC_WAIT:
-                gdc_wait()
             if mode == _MODE_ROWS:
                 n = tl.minimum(tl.minimum(tl.maximum(count, 0), tl.minimum(T, cap)),
                                ring_rows - offset)
@@ -247,7 +238,6 @@ def launch_capture(
     acc_count: torch.Tensor,
     *,
     use_triton: bool | None = None,
-    pdl: bool = False,
 ) -> None:
     """Capture one site for one step: exactly one kernel launch (or the torch reference).
 
@@ -256,11 +246,6 @@ def launch_capture(
     before this package is imported); ``False`` forces the reference. ``residual`` and
     ``input_ids`` may be ``None`` (token labels are then ``NO_TOKEN``). A site that serves only
     row streams may pass ``acc`` buffers with 0 slots, and vice versa a ring with 0 rows.
-
-    ``pdl=True`` launches the kernel with programmatic dependent launch (CUDA, Hopper and later;
-    ignored elsewhere), so that its launch overlaps the end of the kernel before it. The engine
-    does not use it yet (the graph copies of ``graph_nodes`` would need the driver's edge-data
-    queries); ``benchmarks/capture_nodes.py`` measures what it saves.
     """
     T, W, cap, ring_rows, n_acc = _check(x, residual, input_ids, plan_meta, plan, site, ring,
                                                ring_labels, acc, acc_labels, acc_count)
@@ -281,13 +266,12 @@ def launch_capture(
         ids, n_ids, stride_ids = plan_meta, 0, 0      # any int32 pointer; never dereferenced
     else:
         ids, n_ids, stride_ids = input_ids, input_ids.shape[0], input_ids.stride(0)
-    pdl = pdl and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     capture_site_kernel[capture_grid(T, W, cap)](
         x, res, ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count,
         T, W, cap, ring_rows, n_acc, n_ids,
         x.stride(0), x.stride(1), stride_rt, stride_rw, stride_ids,
         HAS_RES=has_res, UNIT_W=unit_w, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, SHORT=MEAN_SHORT,
-        GDC_WAIT=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
+        num_warps=NUM_WARPS,
     )
 
 
