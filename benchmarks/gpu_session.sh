@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | replay | nodes | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | fetch | reduction | replay | nodes | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -94,6 +94,13 @@ PY
     done
     python3 benchmarks/fetch_path.py --layers 48 --width 128 --steps 287 --steps-per-drain 82 --runs 3 \
       2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
+    ;;
+  reduction)
+    # A last-token capture's fetch without an engine (benchmarks/reduction_fetch.py, 8B's shape:
+    # 32 layers x 64 requests x 4096, bf16), one line per run: do hidden-last's stalls happen
+    # outside vLLM? (RUNS, the second argument: 40 by default.)
+    timeout 300 python3 benchmarks/reduction_fetch.py --runs ${2:-40} 2>&1 \
+      | grep -v -E "INFO|WARNING|W12" | tee "$OUT/reduction_fetch.txt" | tail -n 14
     ;;
   replay)
     # One decode step's graph replayed alone (benchmarks/graph_replay.py): the capture engine's

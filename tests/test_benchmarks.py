@@ -1,4 +1,5 @@
-"""The benchmark suite's pure parts: scenario data, planning, time budget, ratios, checks, files."""
+"""The benchmark suite's pure parts (scenario data, planning, time budget, ratios, checks, files),
+and the engine-free fetch benchmark's row check."""
 
 import json
 import re
@@ -394,3 +395,22 @@ def test_startup_phases_match_the_log_lines_vllm_writes():
     log = f"INFO {compile_line}\nINFO {capture_line}\nINFO {init_line}\n"
     found = {name: [float(v) for v in pattern.findall(log)] for name, pattern in startup.PHASES.items()}
     assert found == {"compile_s": [12.5], "graph_capture_s": [3.0], "engine_init_s": [41.25]}
+
+
+def test_reduction_fetch_checks_the_rows_it_fetches():
+    """benchmarks/reduction_fetch.py drives the worker's last-token fetch path without an engine
+    and stops if a fetched row is not the last step's activation."""
+    from benchmarks import reduction_fetch
+
+    bench = reduction_fetch.Bench(layers=3, width=5, requests=4, prompt=3)
+    stages = bench.run(steps=2)
+    assert stages["fetch_store"] > 0  # the closing reductions, stored by the fetch itself
+    assert stages["worker"] > 0 and stages["client"] > 0
+    last = bench.step  # a corrupted readout must not pass the check
+
+    def wrong_step(req_ids, first, rows):
+        return last(req_ids, first, rows) + 1
+
+    bench.step = wrong_step
+    with pytest.raises(SystemExit, match="not the last step's rows"):
+        bench.run(steps=1)
