@@ -898,8 +898,10 @@ def test_reductions_closing_a_stream_wait_for_the_fetch_which_stores_them(monkey
     engine.step([(b, 1)])  # a's finish is observed
     engine.step([])  # b's: no reduction stays open
     assert [type(item).__name__ for item in stream.closing] == ["_Reduced", "_Finish"]
-    time.sleep(0.2)  # the harvest thread has a's reduction, never b's
-    assert [rid for _, rids in stored_by for rid in rids] == [a.rid]
+    deadline = time.monotonic() + 10
+    while not stored_by and time.monotonic() < deadline:
+        time.sleep(0.01)  # the harvest thread stores a's reduction once idle
+    assert [rid for _, rids in stored_by for rid in rids] == [a.rid]  # never b's
     rows = decode_rows(*engine.fetch(HS))
     me = threading.current_thread().name
     assert stored_by == [("vllm-capture-harvest", [a.rid]), (me, [b.rid])]
