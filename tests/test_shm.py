@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
 from types import SimpleNamespace
 
@@ -785,3 +786,14 @@ def test_a_much_smaller_fetch_leaves_the_spare_for_a_later_one(monkeypatch):
     big = shm.write_reply(_reply(_store(width=4096, steps=(64,))), owner=os.getpid())
     assert big["shm_path"] == spare.path
     shm.read_replies([small, big])
+
+
+def test_a_reply_is_copied_in_one_share_of_about_equal_bytes_per_thread():
+    """Blocks go to at most one task per thread, each block once, the shares' bytes balanced."""
+    blocks = [(types.SimpleNamespace(nbytes=n), k) for k, n in enumerate([5, 1, 4, 2, 3, 3, 2])]
+    shares = shm._shares(blocks, 3)
+    assert len(shares) == 3
+    assert sorted(offset for share in shares for _, offset in share) == list(range(7))
+    assert sorted(sum(b[0].nbytes for b in share) for share in shares) == [6, 7, 7]
+    assert shm._shares(blocks[:2], 8) == [[blocks[0]], [blocks[1]]]
+    assert shm._shares(blocks, 1) == [sorted(blocks, key=lambda b: -b[0].nbytes)]

@@ -299,9 +299,9 @@ def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None,
         finally:
             os.close(fd)
         t1 = time.perf_counter()
-        _each(pool, lambda block, offset: block.copy_into(
-            memoryview(mapped)[offset: offset + block.nbytes]),
-            [(b, o) for b, o in zip(blocks, offsets) if b.nbytes])
+        _each(pool, _copy_blocks,
+              [(mapped, group) for group in _shares([(b, o) for b, o in zip(blocks, offsets)
+                                                    if b.nbytes], threads)])
         t2 = time.perf_counter()
         _keep(key, mapped, size)
         for part, seconds in zip(WRITE_PARTS, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
@@ -542,6 +542,25 @@ def _close(mapped: mmap.mmap | None) -> None:
         mapped.close()
     except BufferError:  # a view still held by an exception's traceback
         pass
+
+
+def _shares(blocks: list[tuple], threads: int) -> list[list[tuple]]:
+    """``(rows, offset)`` blocks in at most ``threads`` shares of about equal bytes (largest
+    first, each to the lightest share): one task per thread, not per layer. A last-token fetch
+    of 8B's 32 layers is 32 blocks of 512 KB, whose copies took less time than handing each to a
+    pool thread (on the CPU VM: 0.75 ms grouped against 1.01 ms a block each, on 2 threads)."""
+    shares: list[list[tuple]] = [[] for _ in range(max(1, min(threads, len(blocks))))]
+    loads = [0] * len(shares)
+    for block in sorted(blocks, key=lambda b: -b[0].nbytes):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(block)
+        loads[lightest] += block[0].nbytes
+    return [share for share in shares if share]
+
+
+def _copy_blocks(mapped: mmap.mmap, blocks: list[tuple]) -> None:
+    for rows, offset in blocks:
+        rows.copy_into(memoryview(mapped)[offset: offset + rows.nbytes])
 
 
 def _each(pool: concurrent.futures.Executor | None, fn, items: list[tuple]) -> list:
