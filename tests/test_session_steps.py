@@ -886,34 +886,31 @@ def _last_token_engine_recording_stores(monkeypatch):
                                     Req(num=1, prompt=[4, 4, 4], gen=[1, 2]))
 
 
-def test_reductions_closing_a_stream_wait_for_the_fetch_which_stores_them(monkeypatch):
-    """Once the last open request of a last-token stream finishes (a generate ended), its
-    reductions and finish marker are held, not queued: the fetch that follows stores them on its
-    own thread instead of waiting for the harvest thread. Reductions closed while other requests
-    stay open still go to the harvest thread."""
+def test_finalized_reductions_wait_for_the_fetch_which_stores_them(monkeypatch):
+    """Reductions finalized in a generate's last steps, and their finish markers, are held, not
+    queued: the fetch that follows stores them all on its own thread, in one go, instead of
+    waiting for the harvest thread."""
     engine, ref, stored_by, (a, b) = _last_token_engine_recording_stores(monkeypatch)
     stream = engine.session._streams[HS]
     engine.step([(a, 2), (b, 3)])
     engine.step([(a, 1), (b, 1)])  # a finishes, b stays open
     engine.step([(b, 1)])  # a's finish is observed
-    engine.step([])  # b's: no reduction stays open
-    assert [type(item).__name__ for item in stream.closing] == ["_Reduced", "_Finish"]
-    deadline = time.monotonic() + 10
-    while not stored_by and time.monotonic() < deadline:
-        time.sleep(0.01)  # the harvest thread stores a's reduction once idle
-    assert [rid for _, rids in stored_by for rid in rids] == [a.rid]  # never b's
+    engine.step([])  # b's
+    kinds = [type(item).__name__ for item in stream.held]
+    assert kinds == ["_Reduced", "_Finish", "_Reduced", "_Finish"]
+    time.sleep(5 * HARVEST_IDLE_S)  # an idle harvest thread would have stored anything queued
+    assert stored_by == []
     rows = decode_rows(*engine.fetch(HS))
-    me = threading.current_thread().name
-    assert stored_by == [("vllm-capture-harvest", [a.rid]), (me, [b.rid])]
-    assert stream.closing == []
+    assert stored_by == [(threading.current_thread().name, [a.rid, b.rid])]
+    assert stream.held == [] and stream.held_bytes == 0
     check_reduced(ref, rows, [a.rid, b.rid])
 
 
 @pytest.mark.parametrize("then", ["status", "next generate"])
-def test_held_closing_reductions_go_to_the_harvest_thread_when_the_store_is_needed_first(then):
-    """Held closing reductions are not lost when no fetch comes next: a status (which reports
-    what is stored) or the next generate's requests hand them to the harvest thread, and the
-    fetch after that returns every request's row."""
+def test_held_reductions_go_to_the_harvest_thread_when_the_store_is_needed_first(then):
+    """Held reductions are not lost when no fetch comes next: a status (which reports what is
+    stored) or new requests opening slots hand them to the harvest thread, and the fetch after
+    that returns every request's row."""
     engine = Engine(acc_slots=2)
     ref = RefStream(HS, 3, reduce="last")
     engine.refs = [ref]
@@ -923,31 +920,53 @@ def test_held_closing_reductions_go_to_the_harvest_thread_when_the_store_is_need
     engine.step([(a, 2), (b, 2)])
     engine.step([(a, 1), (b, 1)])  # both finish
     engine.step([])
-    assert stream.closing
+    assert stream.held
     expected = [a.rid, b.rid]
     if then == "status":
         assert engine.session.stream_status(HS)["tokens_stored"] == 2
-        assert stream.closing == []
+        assert stream.held == []
     else:
         c = Req(num=2, prompt=[2, 0, 1], gen=[4])
         engine.step([(c, 3)])  # takes a freed slot
-        assert stream.closing == []
+        assert stream.held == []
         engine.step([(c, 1)])
         engine.step([])
         expected.append(c.rid)
     check_reduced(ref, decode_rows(*engine.fetch(HS)), expected)
 
 
+def test_held_reductions_past_a_harvest_batch_go_to_the_harvest_thread(monkeypatch):
+    """A stream holds at most a harvest batch of items (or bytes) for its fetch: requests that
+    keep finishing without new ones arriving do not pile up for the fetch to store."""
+    import vllm_capture.session.session as session_module
+
+    monkeypatch.setattr(session_module, "HARVEST_BATCH_ITEMS", 4)
+    engine, ref, stored_by, (a, b) = _last_token_engine_recording_stores(monkeypatch)
+    stream = engine.session._streams[HS]
+    c = Req(num=2, prompt=[3, 1], gen=[0, 2, 4])
+    engine.step([(a, 2), (b, 3), (c, 2)])
+    engine.step([(a, 1), (b, 1), (c, 1)])  # a finishes
+    engine.step([(b, 1), (c, 1)])  # a observed: 2 items held; b finishes
+    assert len(stream.held) == 2
+    engine.step([(c, 1)])  # b observed: 4 items, a batch, queued
+    assert stream.held == [] and stream.held_bytes == 0
+    engine.step([])  # c observed: held again
+    rows = decode_rows(*engine.fetch(HS))
+    assert stored_by == [("vllm-capture-harvest", [a.rid, b.rid]),
+                         (threading.current_thread().name, [c.rid])]
+    check_reduced(ref, rows, [a.rid, b.rid, c.rid])
+
+
 def test_a_fetch_stores_the_reductions_it_closes_on_its_own_thread(monkeypatch):
     """Requests still open at a fetch (vLLM reports them finished only with its next step) are
-    reduced and stored by the fetch itself; those that finished in a step, by the harvest thread.
-    Both land in the store once, with the right rows."""
+    reduced and stored by the fetch itself, with those held since they finished in a step. All
+    land in the store once, with the right rows."""
     engine, ref, stored_by, (a, b) = _last_token_engine_recording_stores(monkeypatch)
     engine.step([(a, 2), (b, 3)])
     engine.step([(a, 1), (b, 1)])  # a finishes
     engine.step([(b, 1)])  # a's finish is observed; b finishes, unobserved
     rows = decode_rows(*engine.fetch(HS))
-    assert stored_by == [("vllm-capture-harvest", [a.rid]), (threading.current_thread().name, [b.rid])]
+    assert stored_by == [(threading.current_thread().name, [a.rid, b.rid])]  # a's was held
     check_reduced(ref, rows, [a.rid, b.rid])
     assert engine.session.stream_status(HS)["host_timers"]["fetch_store_ms"] > 0
 

@@ -47,9 +47,9 @@ EXTRA_ARGS_KEY = "capture"
 
 # The harvest thread stores drained steps in batches: one store append per layer for many steps,
 # because its Python work holds the GIL the step path needs. A batch is stored when its host rows
-# reach HARVEST_BATCH_BYTES, when it holds HARVEST_BATCH_ITEMS queue items, when it ends with the
-# reductions of a stream's last open requests, when the queue has been idle for HARVEST_IDLE_S,
-# or when the session waits for the harvest (fetch, status, stop).
+# reach HARVEST_BATCH_BYTES, when it holds HARVEST_BATCH_ITEMS queue items, when the queue has been
+# idle for HARVEST_IDLE_S, or when the session waits for the harvest (fetch, status, stop). The
+# same two limits bound the finalized reductions a stream holds for its next fetch (Stream.held).
 HARVEST_BATCH_BYTES = 32 << 20
 HARVEST_BATCH_ITEMS = 64
 HARVEST_IDLE_S = 0.02
@@ -109,13 +109,16 @@ class Stream:
     # planned; and finish markers of requests whose rows may be among them.
     pending_conditions: list[tuple] = field(default_factory=list)
     pending_finishes: list = field(default_factory=list)
-    # reduce="last"/"mean": the reductions that closed the stream's last open requests (a generate
-    # ended) and those requests' finish marker, held for the fetch that usually comes next, which
-    # stores them on its own thread. On the H200 the harvest thread took 8-14 ms of wall time to
-    # store a 32-layer closing reduction (contending for the GIL with the engine's end of the
-    # generate) while the fetch waited for it; a fetch stored the same in 0.8 ms. They go to the
-    # harvest thread instead when anything else needs the store first (_queue_closing).
-    closing: list = field(default_factory=list)
+    # reduce="last"/"mean": finalized reductions, and the finish markers queued after them, held
+    # for the next fetch, which stores them on its own thread. A generate's requests finish in its
+    # last step or two (vLLM reported 1 of 16 equal requests a step before the rest), and on the
+    # H200 the harvest thread took 8-14 ms of wall time to store a 32-layer reduction (contending
+    # for the GIL with the engine's end of the generate) while the fetch waited for it; a fetch
+    # stored the same in 0.8 ms. They go to the harvest thread instead when new requests open
+    # slots (more of the generate, or the next one), past a harvest batch's bytes or items, and
+    # when anything else needs the store (_queue_held).
+    held: list = field(default_factory=list)
+    held_bytes: int = 0  # host bytes of `held`, kept as items arrive (checked at every finish)
     # The last step, if the next one may repeat it (steady decode); dropped whenever tracks change.
     repeat: DecodeRepeat | None = None
 
@@ -139,9 +142,6 @@ class _Reduced:
     req_index: list[int]
     positions: list[int]
     acc: Any  # DrainedRows: layer_id -> (reduced rows, labels, counts)
-    # No reduction of the stream stays open: a generate ended, and a fetch is likely next
-    # (Stream.closing).
-    closes_stream: bool = False
 
 
 @dataclass
@@ -281,7 +281,7 @@ class CaptureSession:
             # finished only with its next step).
             reduced = self._finalize(st, [r for r in list(st.slots)
                                           if req_ids is None or _matches_any(r, req_ids)])
-        held, st.closing = st.closing, []
+        held, st.held, st.held_bytes = st.held, [], 0
         if reduced is not None:
             held.append(reduced)
         t1 = time.perf_counter()
@@ -412,11 +412,9 @@ class CaptureSession:
         for st in self._active_streams():
             # One device gather for every request that finishes in this step.
             reduced = self._finalize(st, req_ids)
-            hold = reduced is not None and reduced.closes_stream
-            if hold:
-                st.closing.append(reduced)
-            elif reduced is not None:
-                self._queue.put(reduced)
+            if reduced is not None:
+                st.held.append(reduced)
+                st.held_bytes += _item_bytes(reduced)
             finished = [r for r in dict.fromkeys(req_ids) if r in st.tracks or r in st.closed]
             if not finished:
                 continue
@@ -426,10 +424,12 @@ class CaptureSession:
                 st.closed.discard(req_id)
             if st.pending_conditions:
                 st.pending_finishes.append(_Finish(st.store, finished))
-            elif hold or st.closing:  # after the held rows, never before
-                st.closing.append(_Finish(st.store, finished))
+            elif st.held:  # after the held rows, never before
+                st.held.append(_Finish(st.store, finished))
             else:
                 self._queue.put(_Finish(st.store, finished))
+            if len(st.held) >= HARVEST_BATCH_ITEMS or st.held_bytes >= HARVEST_BATCH_BYTES:
+                self._queue_held(st)
         for req_id in req_ids:
             self._requests.pop(req_id, None)
             self._unsupported_requests.pop(req_id, None)
@@ -523,13 +523,12 @@ class CaptureSession:
             if st.pending_conditions:
                 self._drain(st)
 
-    def _queue_closing(self, st: Stream) -> None:
-        """Hand the closing reductions ``st`` holds (and their finish marker) to the harvest
-        thread: something other than a fetch of this stream needs the store first (a new
-        generate's requests, a status, a clear, a disable)."""
-        for item in st.closing:
+    def _queue_held(self, st: Stream) -> None:
+        """Hand the reductions ``st`` holds (and the finish markers after them) to the harvest
+        thread: something other than a fetch of this stream comes first."""
+        for item in st.held:
             self._queue.put(item)
-        st.closing = []
+        st.held, st.held_bytes = [], 0
 
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
@@ -575,8 +574,8 @@ class CaptureSession:
             if first_position > 0 and self._selects_missing(st, track, first_position):
                 st.store.mark_elided(req_id)
             st.tracks[req_id] = track
-        if new_slots and st.closing:
-            self._queue_closing(st)  # a generate began without a fetch of the last one
+        if new_slots and st.held:
+            self._queue_held(st)  # requests go on (or a generate began without a fetch)
         # One device fill for every slot handed out this step (the step's forward follows it).
         self.graph_state.reset_acc_slots(st.component, new_slots)
         if new_slots and self.on_stored is not None:
@@ -602,7 +601,7 @@ class CaptureSession:
         positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
                      else [-1] * len(slots))
         reduced = _Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
-                           drained, closes_stream=len(req_ids) == len(st.slots))
+                           drained)
         for r, slot in zip(req_ids, slots):
             del st.slots[r]
             st.free_slots.append(slot)
@@ -617,7 +616,7 @@ class CaptureSession:
     def _wait_harvest(self) -> None:
         """Store every row captured so far: drain the device rings, then wait for the harvest."""
         for st in self._active_streams():
-            self._queue_closing(st)
+            self._queue_held(st)
         self._drain_all()
         self._await_harvest()
 
@@ -682,7 +681,7 @@ class CaptureSession:
         """About what a fetch of ``st`` would carry: its store, and a row per enabled layer for
         each reduction still open (finalized at the end of a generate, so that the reply file
         can grow while the generate runs, not while the fetch waits)."""
-        held = st.store.bytes_stored + sum(_item_bytes(item) for item in st.closing)
+        held = st.store.bytes_stored + st.held_bytes
         if st.config.reduce != "all":
             held += len(st.slots) * self.graph_state.streams[st.component].row_bytes
         return held
