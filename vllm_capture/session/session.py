@@ -678,9 +678,9 @@ class CaptureSession:
             logger.warning("vllm-capture: on_stored failed", exc_info=True)
 
     def _fetch_bytes(self, st: Stream) -> int:
-        """About what a fetch of ``st`` would carry: its store, and a row per enabled layer for
-        each reduction still open (finalized at the end of a generate, so that the reply file
-        can grow while the generate runs, not while the fetch waits)."""
+        """About what a fetch of ``st`` would carry: its store, the reductions held for it, and a
+        row per enabled layer for each reduction still open (finalized at the end of a generate,
+        so that the reply file can grow while the generate runs, not while the fetch waits)."""
         held = st.store.bytes_stored + st.held_bytes
         if st.config.reduce != "all":
             held += len(st.slots) * self.graph_state.streams[st.component].row_bytes
