@@ -44,7 +44,7 @@ from vllm_capture.session.session import CaptureSession  # noqa: E402
 
 HS = "hidden_states"
 WORKER_STAGES = ("fetch_store", "fetch_serialize", "fetch_write")
-WRITE_PARTS = ("fetch_write_copy", "fetch_write_release", "fetch_write_release_cpu")
+WRITE_TIMERS = ("fetch_write_copy", "fetch_write_release", "fetch_write_release_cpu")
 
 
 class Bench:
@@ -110,7 +110,7 @@ class Bench:
             for layer in range(self.layers))
         if not right:
             raise SystemExit(f"run {self.runs}: the fetched rows are not the last step's rows")
-        out = {name: after[f"{name}_ms"] - before[f"{name}_ms"] for name in WORKER_STAGES + WRITE_PARTS}
+        out = {name: after[f"{name}_ms"] - before[f"{name}_ms"] for name in WORKER_STAGES + WRITE_TIMERS}
         out.update(worker=(t1 - t0) * 1e3, client=(t2 - t1) * 1e3)
         return out
 
