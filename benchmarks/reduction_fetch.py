@@ -4,7 +4,8 @@
 A ``CaptureGraphState`` with ``--layers`` hidden-state sites of ``--width`` columns (bf16 on a
 GPU, fp32 on the CPU) and a ``CaptureSession`` with a last-token stream, driven as vLLM's runner
 drives them: each run, ``--requests`` requests prefill ``--prompt`` tokens in one step and decode
-``--steps`` steps (the capture kernel reduces every site's rows), then finish; then the fetch, as
+``--steps`` steps (the capture kernel reduces every site's rows), then finish (``--early`` of them a
+step before the others, as vLLM reports them); then the fetch, as
 the worker runs it (``CaptureWorkerExtension.fetch_captured``: the store of the closing
 reductions, serialize, the write into ``/dev/shm``) and as the client decodes it
 (``shm.read_replies``, ``join_shards``). The fetched rows are checked against the last step's
@@ -87,24 +88,32 @@ class Bench:
             self.session.end_step()
         return last
 
-    def run(self, steps: int) -> dict[str, float]:
+    def run(self, steps: int, early: int = 0) -> dict[str, float]:
+        """One generate and its fetch. ``early`` requests finish a step before the others, as
+        vLLM reports one or two of many equal requests (their reductions close at that step)."""
         req_ids = [f"run{self.runs}-req{i}" for i in range(self.requests)]
         self.runs += 1
         params = types.SimpleNamespace(extra_args={}, n=1)
         for rid in req_ids:
             self.session.add_request(rid, [1] * self.prompt, params)
-        last = self.step(req_ids, 0, self.prompt)
+        want = self.step(req_ids, 0, self.prompt)
+        # Timers before any finish: a status hands the reductions held for the fetch to the
+        # harvest thread.
+        before = self._timers()
+        running = req_ids
         for k in range(steps):
-            last = self.step(req_ids, self.prompt + k, 1)
-        before = self._timers()  # (a status stores what is held: read before the finish)
-        self.session.finish_requests(req_ids)  # vLLM's notice with its next step
+            if early and k == steps - 1:
+                self.session.finish_requests(req_ids[:early])  # vLLM's notice with the next step
+                running = req_ids[early:]
+            want[:, len(req_ids) - len(running):] = self.step(running, self.prompt + k, 1)
+        self.session.finish_requests(running)
         t0 = time.perf_counter()
         reply = self.worker.fetch_captured(HS, shm_probe=shm.client_probe())
         t1 = time.perf_counter()
         tensors, meta, _ = join_shards(HS, shm.read_replies([reply]))
         t2 = time.perf_counter()
         after = self._timers()
-        want = last.to(self.dtype).cpu()
+        want = want.to(self.dtype).cpu()
         right = sorted(tensors) == list(range(self.layers)) and all(
             meta[layer].req_ids == req_ids and torch.equal(tensors[layer], want[layer])
             for layer in range(self.layers))
@@ -126,14 +135,20 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--steps", type=int, default=4, help="decode steps per run")
     p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--early", type=int, default=1,
+                   help="requests that finish a step before the others (vLLM reports one of 16 "
+                        "equal requests a step early in most generates)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch's CPU threads: 1, as vLLM sets them in a GPU worker")
     args = p.parse_args()
+    torch.set_num_threads(args.torch_threads)
     bench = Bench(args.layers, args.width, args.requests, args.prompt)
     mb = args.layers * args.requests * args.width * bench.dtype.itemsize / 1e6
     print(f"{bench.device.type}, {bench.dtype}, {args.layers} layers x {args.requests} rows "
           f"x {args.width} = {mb:.1f} MB a fetch; ms per run:", flush=True)
     results = []
     for _ in range(args.runs):
-        out = bench.run(args.steps)
+        out = bench.run(args.steps, args.early)
         results.append(out)
         print(" ".join(f"{k} {v:.2f}" for k, v in out.items()), flush=True)
     for label, pick in (("median", statistics.median), ("max", max)):

@@ -855,16 +855,22 @@ def test_reductions_finalized_in_several_steps_are_stored_as_one_chunk_per_layer
     engine.session.enable_stream(HS, reduce="last")
     a, b, c = (Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4, 4], gen=[1, 2]),
                Req(num=2, prompt=[2], gen=[0, 0, 0]))
+    d = Req(num=3, prompt=[1], gen=[2])
+    stores = []
+    store_reduced = engine.session._store_reduced
+    monkeypatch.setattr(engine.session, "_store_reduced",
+                        lambda items: stores.append(len(items)) or store_reduced(items))
     engine.step([(a, 2), (b, 3), (c, 1)])
     engine.step([(a, 1), (b, 1), (c, 1)])  # a finishes
-    engine.step([(b, 1), (c, 1)])  # b finishes
-    engine.step([(c, 1)])  # c finishes
+    engine.step([(b, 1), (c, 1), (d, 1)])  # d takes a's slot: a's row is read, then b finishes
+    engine.step([(c, 1), (d, 1)])  # c and d finish
     engine.step([])
-    assert a.done and b.done and c.done
+    assert a.done and b.done and c.done and d.done
     engine.session.stream_status(HS)  # stores what the harvest thread holds
+    assert stores == [2]  # a's rows, read when d opened, and b's, c's and d's
     store = engine.session._streams[HS].store
     assert store.chunks and all(len(chunks) == 1 for chunks in store.chunks.values())
-    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid, c.rid])
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid, b.rid, c.rid, d.rid])
 
 
 def _last_token_engine_recording_stores(monkeypatch):
@@ -886,23 +892,30 @@ def _last_token_engine_recording_stores(monkeypatch):
                                     Req(num=1, prompt=[4, 4, 4], gen=[1, 2]))
 
 
-def test_finalized_reductions_wait_for_the_fetch_which_stores_them(monkeypatch):
-    """Reductions finalized in a generate's last steps, and their finish markers, are held, not
-    queued: the fetch that follows stores them all on its own thread, in one go, instead of
-    waiting for the harvest thread."""
+def test_finished_reductions_wait_for_the_fetch_which_reads_and_stores_them_at_once(monkeypatch):
+    """Reductions closed in a generate's last steps stay in their slots and their finish markers
+    are held, nothing queued: the fetch that follows reads every slot in one device gather and
+    stores the rows on its own thread, in one append, instead of waiting for the harvest
+    thread."""
     engine, ref, stored_by, (a, b) = _last_token_engine_recording_stores(monkeypatch)
     stream = engine.session._streams[HS]
+    reads = []
+    read_acc_slots = engine.session.graph_state.read_acc_slots
+    monkeypatch.setattr(engine.session.graph_state, "read_acc_slots",
+                        lambda component, slots, mean: reads.append(list(slots))
+                        or read_acc_slots(component, slots, mean))
     engine.step([(a, 2), (b, 3)])
     engine.step([(a, 1), (b, 1)])  # a finishes, b stays open
     engine.step([(b, 1)])  # a's finish is observed
     engine.step([])  # b's
-    kinds = [type(item).__name__ for item in stream.held]
-    assert kinds == ["_Reduced", "_Finish", "_Reduced", "_Finish"]
+    assert list(stream.finished) == [a.rid, b.rid] and reads == []
+    assert [type(item).__name__ for item in stream.held] == ["_Finish", "_Finish"]
     time.sleep(5 * HARVEST_IDLE_S)  # an idle harvest thread would have stored anything queued
     assert stored_by == []
     rows = decode_rows(*engine.fetch(HS))
+    assert len(reads) == 1 and len(reads[0]) == 2
     assert stored_by == [(threading.current_thread().name, [a.rid, b.rid])]
-    assert stream.held == [] and stream.held_bytes == 0
+    assert stream.held == [] and stream.finished == {}
     check_reduced(ref, rows, [a.rid, b.rid])
 
 
@@ -920,15 +933,15 @@ def test_held_reductions_go_to_the_harvest_thread_when_the_store_is_needed_first
     engine.step([(a, 2), (b, 2)])
     engine.step([(a, 1), (b, 1)])  # both finish
     engine.step([])
-    assert stream.held
+    assert stream.held and len(stream.finished) == 2 and stream.free_slots == []
     expected = [a.rid, b.rid]
     if then == "status":
         assert engine.session.stream_status(HS)["tokens_stored"] == 2
-        assert stream.held == []
+        assert stream.held == [] and stream.finished == {}
     else:
         c = Req(num=2, prompt=[2, 0, 1], gen=[4])
-        engine.step([(c, 3)])  # takes a freed slot
-        assert stream.held == []
+        engine.step([(c, 3)])  # takes a slot a or b held: both are read first
+        assert stream.held == [] and stream.finished == {}
         engine.step([(c, 1)])
         engine.step([])
         expected.append(c.rid)
@@ -936,20 +949,20 @@ def test_held_reductions_go_to_the_harvest_thread_when_the_store_is_needed_first
 
 
 def test_held_reductions_past_a_harvest_batch_go_to_the_harvest_thread(monkeypatch):
-    """A stream holds at most a harvest batch of items (or bytes) for its fetch: requests that
+    """A stream holds at most a harvest batch of finish markers for its fetch: requests that
     keep finishing without new ones arriving do not pile up for the fetch to store."""
     import vllm_capture.session.session as session_module
 
-    monkeypatch.setattr(session_module, "HARVEST_BATCH_ITEMS", 4)
+    monkeypatch.setattr(session_module, "HARVEST_BATCH_ITEMS", 2)
     engine, ref, stored_by, (a, b) = _last_token_engine_recording_stores(monkeypatch)
     stream = engine.session._streams[HS]
     c = Req(num=2, prompt=[3, 1], gen=[0, 2, 4])
     engine.step([(a, 2), (b, 3), (c, 2)])
     engine.step([(a, 1), (b, 1), (c, 1)])  # a finishes
-    engine.step([(b, 1), (c, 1)])  # a observed: 2 items held; b finishes
-    assert len(stream.held) == 2
-    engine.step([(c, 1)])  # b observed: 4 items, a batch, queued
-    assert stream.held == [] and stream.held_bytes == 0
+    engine.step([(b, 1), (c, 1)])  # a observed: 1 marker held; b finishes
+    assert len(stream.held) == 1 and list(stream.finished) == [a.rid]
+    engine.step([(c, 1)])  # b observed: 2 markers, a batch, queued with a's and b's rows
+    assert stream.held == [] and stream.finished == {}
     engine.step([])  # c observed: held again
     rows = decode_rows(*engine.fetch(HS))
     assert stored_by == [("vllm-capture-harvest", [a.rid, b.rid]),

@@ -48,8 +48,8 @@ EXTRA_ARGS_KEY = "capture"
 # The harvest thread stores drained steps in batches: one store append per layer for many steps,
 # because its Python work holds the GIL the step path needs. A batch is stored when its host rows
 # reach HARVEST_BATCH_BYTES, when it holds HARVEST_BATCH_ITEMS queue items, when the queue has been
-# idle for HARVEST_IDLE_S, or when the session waits for the harvest (fetch, status, stop). The
-# same two limits bound the finalized reductions a stream holds for its next fetch (Stream.held).
+# idle for HARVEST_IDLE_S, or when the session waits for the harvest (fetch, status, stop). A
+# stream holds at most HARVEST_BATCH_ITEMS finish markers for its next fetch (Stream.held).
 HARVEST_BATCH_BYTES = 32 << 20
 HARVEST_BATCH_ITEMS = 64
 HARVEST_IDLE_S = 0.02
@@ -109,16 +109,21 @@ class Stream:
     # planned; and finish markers of requests whose rows may be among them.
     pending_conditions: list[tuple] = field(default_factory=list)
     pending_finishes: list = field(default_factory=list)
-    # reduce="last"/"mean": finalized reductions, and the finish markers queued after them, held
-    # for the next fetch, which stores them on its own thread. A generate's requests finish in its
-    # last step or two (vLLM reported 1 of 16 equal requests a step before the rest), and on the
-    # H200 the harvest thread took 8-14 ms of wall time to store a 32-layer reduction (contending
-    # for the GIL with the engine's end of the generate) while the fetch waited for it; a fetch
-    # stored the same in 0.8 ms. They go to the harvest thread instead when new requests open
-    # slots (more of the generate, or the next one), past a harvest batch's bytes or items, and
-    # when anything else needs the store (_queue_held).
+    # reduce="last"/"mean": requests whose reductions are closed, their rows still in their
+    # accumulator slots (req_id -> slot), and the finish markers that must follow those rows into
+    # the store, held for the next fetch. A generate's requests finish in its last step or two
+    # (vLLM reported 1 of 16 equal requests a step before the rest); the fetch reads every slot
+    # in one device gather and stores the rows on its own thread, in one append whose host copy
+    # the store keeps (_read_finished). On the H200, storing them elsewhere cost the fetch:
+    # - handed to the harvest thread, 8-14 ms of wall time to store a 32-layer reduction
+    #   (contending for the GIL with the engine's end of the generate), while the fetch waited;
+    # - read at each step where requests finished and stored by the fetch, 10-13 ms for 8B, where
+    #   joining two steps' host copies (16.8 MB) ran on one thread into fresh pages.
+    # The rows go to the harvest thread instead when new requests need slots (more of the
+    # generate, or the next one), past a harvest batch of markers, and when anything else needs
+    # the store (_queue_held).
+    finished: dict[str, int] = field(default_factory=dict)
     held: list = field(default_factory=list)
-    held_bytes: int = 0  # host bytes of `held`, kept as items arrive (checked at every finish)
     # The last step, if the next one may repeat it (steady decode); dropped whenever tracks change.
     repeat: DecodeRepeat | None = None
 
@@ -274,16 +279,16 @@ class CaptureSession:
                 raise ValueError(f"Unknown capture stream: {stream!r}")
             return {}
         t0 = time.perf_counter()
-        reduced = None
         if st.config.reduce != "all":
-            # Reductions of requests still open are finalized now (capture() fetches after
-            # generate() returned, when every request is done; vLLM tells the worker they
-            # finished only with its next step).
-            reduced = self._finalize(st, [r for r in list(st.slots)
-                                          if req_ids is None or _matches_any(r, req_ids)])
-        held, st.held, st.held_bytes = st.held, [], 0
+            # Reductions of requests still open close now (capture() fetches after generate()
+            # returned, when every request is done; vLLM tells the worker they finished only
+            # with its next step), and are read with those closed before.
+            self._close(st, [r for r in list(st.slots)
+                             if req_ids is None or _matches_any(r, req_ids)])
+        reduced = self._read_finished(st)
+        held, st.held = st.held, []
         if reduced is not None:
-            held.append(reduced)
+            held.insert(0, reduced)  # before the finish markers held after its rows
         t1 = time.perf_counter()
         self._drain_all()
         t_drain = time.perf_counter()
@@ -410,11 +415,7 @@ class CaptureSession:
 
     def _finish_requests(self, req_ids: list[str]) -> None:
         for st in self._active_streams():
-            # One device gather for every request that finishes in this step.
-            reduced = self._finalize(st, req_ids)
-            if reduced is not None:
-                st.held.append(reduced)
-                st.held_bytes += _item_bytes(reduced)
+            self._close(st, req_ids)
             finished = [r for r in dict.fromkeys(req_ids) if r in st.tracks or r in st.closed]
             if not finished:
                 continue
@@ -424,11 +425,11 @@ class CaptureSession:
                 st.closed.discard(req_id)
             if st.pending_conditions:
                 st.pending_finishes.append(_Finish(st.store, finished))
-            elif st.held:  # after the held rows, never before
+            elif st.finished or st.held:  # after the rows still to be stored, never before
                 st.held.append(_Finish(st.store, finished))
             else:
                 self._queue.put(_Finish(st.store, finished))
-            if len(st.held) >= HARVEST_BATCH_ITEMS or st.held_bytes >= HARVEST_BATCH_BYTES:
+            if len(st.held) >= HARVEST_BATCH_ITEMS:
                 self._queue_held(st)
         for req_id in req_ids:
             self._requests.pop(req_id, None)
@@ -524,11 +525,15 @@ class CaptureSession:
                 self._drain(st)
 
     def _queue_held(self, st: Stream) -> None:
-        """Hand the reductions ``st`` holds (and the finish markers after them) to the harvest
-        thread: something other than a fetch of this stream comes first."""
+        """Hand the closed reductions of ``st`` (and the finish markers after them) to the
+        harvest thread, freeing their slots: something other than a fetch of this stream comes
+        first."""
+        reduced = self._read_finished(st)
+        if reduced is not None:
+            self._queue.put(reduced)
         for item in st.held:
             self._queue.put(item)
-        st.held, st.held_bytes = [], 0
+        st.held = []
 
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
@@ -559,6 +564,8 @@ class CaptureSession:
                                  prompt_token_ids=info.prompt_token_ids,
                                  select=select, next_position=0)
             if st.config.reduce != "all":
+                if st.finished:
+                    self._queue_held(st)  # their slots, for these requests
                 if not st.free_slots:
                     st.store.fail_request(
                         req_id, f"more concurrent requests than reduce slots "
@@ -589,27 +596,33 @@ class CaptureSession:
             return True
         return selects_positions_below(track, first_position)
 
-    def _finalize(self, st: Stream, req_ids: list[str]) -> _Reduced | None:
-        """Close the reductions (last/mean) of ``req_ids``: their rows, one per request and
-        layer, on their way to the host, to be stored (None: none of them was open)."""
-        req_ids = list(dict.fromkeys(r for r in req_ids if r in st.slots))
-        if not req_ids:
-            return None
+    def _close(self, st: Stream, req_ids: list[str]) -> None:
+        """Close the reductions (last/mean) of ``req_ids`` still open: their rows wait in their
+        accumulator slots (``st.finished``) for ``_read_finished``."""
+        closing = [r for r in dict.fromkeys(req_ids) if r in st.slots]
+        if not closing:
+            return
         st.repeat = None
-        slots = [st.slots[r] for r in req_ids]
+        for r in closing:
+            st.finished[r] = st.slots.pop(r)
+            # A request closed while still running (by a fetch) is not reduced again: its later
+            # rows would otherwise start a second, partial reduction.
+            st.tracks.pop(r, None)
+            st.closed.add(r)
+
+    def _read_finished(self, st: Stream) -> _Reduced | None:
+        """The rows of every closed reduction of ``st``, one per request and layer, on their way
+        to the host in one device gather, to be stored (None: there are none). Their slots are
+        free again: the gather runs on the main stream, ahead of any reset of them."""
+        if not st.finished:
+            return None
+        req_ids, slots = list(st.finished), list(st.finished.values())
+        st.finished = {}
         drained = self.graph_state.read_acc_slots(st.component, slots, st.config.reduce == "mean")
         positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
                      else [-1] * len(slots))
-        reduced = _Reduced(st, req_ids, [st.tracks[r].req_index for r in req_ids], positions,
-                           drained)
-        for r, slot in zip(req_ids, slots):
-            del st.slots[r]
-            st.free_slots.append(slot)
-            # A request finalized while still running (by a fetch) is not reduced again: its
-            # later rows would otherwise start a second, partial reduction.
-            st.tracks.pop(r, None)
-            st.closed.add(r)
-        return reduced
+        st.free_slots.extend(slots)
+        return _Reduced(st, req_ids, st.slot_req_index[slots].tolist(), positions, drained)
 
     # ---- harvest thread -------------------------------------------------------------------------
 
@@ -678,12 +691,13 @@ class CaptureSession:
             logger.warning("vllm-capture: on_stored failed", exc_info=True)
 
     def _fetch_bytes(self, st: Stream) -> int:
-        """About what a fetch of ``st`` would carry: its store, the reductions held for it, and a
-        row per enabled layer for each reduction still open (finalized at the end of a generate,
-        so that the reply file can grow while the generate runs, not while the fetch waits)."""
-        held = st.store.bytes_stored + st.held_bytes
+        """About what a fetch of ``st`` would carry: its store, and a row per enabled layer for
+        each reduction open or closed but not yet read (read at the end of a generate, so that
+        the reply file can grow while the generate runs, not while the fetch waits)."""
+        held = st.store.bytes_stored
         if st.config.reduce != "all":
-            held += len(st.slots) * self.graph_state.streams[st.component].row_bytes
+            reductions = len(st.slots) + len(st.finished)
+            held += reductions * self.graph_state.streams[st.component].row_bytes
         return held
 
     def _wait_copy(self, rows) -> None:
