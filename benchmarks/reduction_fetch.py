@@ -103,9 +103,11 @@ class Bench:
         running = req_ids
         for k in range(steps):
             if early and k == steps - 1:
-                self.session.finish_requests(req_ids[:early])  # vLLM's notice with the next step
-                running = req_ids[early:]
-            want[:, len(req_ids) - len(running):] = self.step(running, self.prompt + k, 1)
+                # Late in the batch, as vLLM's early finishers may be: their rows come first
+                # in the reduction's read unless the session orders it.
+                self.session.finish_requests(req_ids[-early:])  # vLLM's notice with the next step
+                running = req_ids[:-early]
+            want[:, :len(running)] = self.step(running, self.prompt + k, 1)
         self.session.finish_requests(running)
         t0 = time.perf_counter()
         reply = self.worker.fetch_captured(HS, shm_probe=shm.client_probe())

@@ -403,7 +403,7 @@ def test_reduction_fetch_checks_the_rows_it_fetches():
     from benchmarks import reduction_fetch
 
     bench = reduction_fetch.Bench(layers=3, width=5, requests=4, prompt=3)
-    stages = bench.run(steps=2)
+    stages = bench.run(steps=2, early=1)  # one request a step before the others
     assert stages["fetch_store"] > 0  # the closing reductions, stored by the fetch itself
     assert stages["worker"] > 0 and stages["client"] > 0
     last = bench.step  # a corrupted readout must not pass the check

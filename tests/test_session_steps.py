@@ -1000,16 +1000,23 @@ def test_on_stored_hears_open_reductions_before_their_rows_arrive():
     assert heard == [2 * row_bytes]
 
 
-def test_reductions_finalized_together_are_stored_in_their_host_copy_not_copied_again():
-    """The host copy of a step's finalized reductions (one block for a ring group's layers) was
-    made for the store alone: its chunks are that block's rows, and they fetch like copies."""
+@pytest.mark.parametrize("finish", ["together", "later request first"])
+def test_reductions_read_together_are_stored_in_their_host_copy_not_copied_again(finish):
+    """The host copy of the closed reductions read in one gather (one block for a ring group's
+    layers) was made for the store alone: its chunks are that block's rows, and they fetch like
+    copies. Requests that finished out of their registration order are gathered in that order,
+    so the store keeps the block as it is then too."""
     engine = Engine(acc_slots=3)
     ref = RefStream(HS, 3, reduce="last")
     engine.refs = [ref]
     engine.session.enable_stream(HS, reduce="last")
-    a, b = Req(num=0, prompt=[1, 2], gen=[3]), Req(num=1, prompt=[4, 4], gen=[1])
+    a = Req(num=0, prompt=[1, 2], gen=[3] if finish == "together" else [3, 1])
+    b = Req(num=1, prompt=[4, 4], gen=[1])
     engine.step([(a, 2), (b, 2)])
-    engine.step([(a, 1), (b, 1)])  # both finish
+    engine.step([(a, 1), (b, 1)])  # b finishes (and a, together)
+    if finish != "together":
+        engine.step([(a, 1)])  # a finishes
+        assert list(engine.session._streams[HS].finished) == [b.rid]
     engine.step([])
     engine.session.stream_status(HS)
     store = engine.session._streams[HS].store

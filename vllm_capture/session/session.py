@@ -616,8 +616,14 @@ class CaptureSession:
         free again: the gather runs on the main stream, ahead of any reset of them."""
         if not st.finished:
             return None
-        req_ids, slots = list(st.finished), list(st.finished.values())
+        req_ids = list(st.finished)
+        slots = np.fromiter(st.finished.values(), dtype=np.int64, count=len(req_ids))
         st.finished = {}
+        # Gathered in the store's order, the rows go in without a copy: on the H200 host,
+        # reordering 8B's 16.8 MB on one thread into fresh pages took about 5 ms, and letting go
+        # of those pages after the fetch 3-10 ms more (vLLM reports one request a step early).
+        order = st.store.registration_order(st.slot_req_index[slots])
+        req_ids, slots = [req_ids[i] for i in order], slots[order].tolist()
         drained = self.graph_state.read_acc_slots(st.component, slots, st.config.reduce == "mean")
         positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
                      else [-1] * len(slots))

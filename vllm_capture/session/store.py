@@ -313,6 +313,13 @@ class StreamStore:
                 self._request_aliases.setdefault(alias, set()).add(index)
             return index
 
+    def registration_order(self, req_index: np.ndarray) -> np.ndarray:
+        """The order that puts rows of these (registered) label indices in registration order,
+        the order a chunk keeps its requests in: one row per request appended in it is stored as
+        it is (and adopted), where any other order is copied into that one."""
+        with self.lock:
+            return np.argsort(self._rank[req_index], kind="stable")
+
     def _grow(self, needed: int) -> None:
         size = max(64, 2 * self._rank.size, needed)
         for name in ("_rank", "_live", "_assigned", "_blocked"):
