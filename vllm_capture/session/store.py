@@ -708,9 +708,7 @@ class StreamStore:
         total = int(spans.length.sum())
         first = layer[int(spans.chunk[0])]
         if first.rows == total and (spans.chunk == spans.chunk[0]).all():
-            whole = slice(0, total)  # the whole chunk, in wire order
-            pieces = [(first.tensor, first.raw, whole, whole)]
-            return FetchedRows(first.tensor.dtype, total, pieces), first.meta
+            return _whole_rows(first), first.meta  # the whole chunk, in wire order
         order = np.lexsort((spans.chunk, self._rank[spans.req]))
         dtypes = self._layer_dtypes[layer_id]
         if len(dtypes) > 1:  # only what these chunks hold
@@ -812,10 +810,13 @@ class StreamStore:
             elif 2 * chunk.live_rows < chunk.rows:
                 self._compact(layer_id, chunk_id, chunk)
         if not layer:
-            del self.chunks[layer_id]
-            del self._layer_rows[layer_id]
-            del self._layer_dtypes[layer_id]
-            del self.layer_names[layer_id]
+            self._forget_layer(layer_id)
+
+    def _forget_layer(self, layer_id: int) -> None:
+        del self.chunks[layer_id]
+        del self._layer_rows[layer_id]
+        del self._layer_dtypes[layer_id]
+        del self.layer_names[layer_id]
 
     def _compact(self, layer_id: int, chunk_id: int, chunk: _Chunk) -> None:
         """Copy a chunk's live rows into a smaller tensor, releasing the dead ones."""
@@ -885,10 +886,17 @@ class StreamStore:
             # once (by identity; the entry keeps the array alive, so its id is not reused).
             encoded: dict[int, tuple[np.ndarray, dict[str, Any]]] = {}
             for layer_id in wanted:
-                spans = self._layer_spans(layer_id, selected)
-                if spans is None:
-                    continue
-                rows, meta = self._gather(layer_id, spans)
+                # A fetch of every request takes a layer held in one chunk, all of it live (as
+                # one append of a generate's reductions leaves it), as it is: no spans.
+                whole = self._whole_layer(layer_id) if selected is None else None
+                if whole is not None:
+                    spans = None
+                    rows, meta = _whole_rows(whole[1]), whole[1].meta
+                else:
+                    spans = self._layer_spans(layer_id, selected)
+                    if spans is None:
+                        continue
+                    rows, meta = self._gather(layer_id, spans)
                 hit = encoded.get(id(meta))
                 if hit is None or hit[0] is not meta:
                     hit = encoded[id(meta)] = (meta, encode_capture_labels(meta, self.req_table))
@@ -899,14 +907,36 @@ class StreamStore:
                     hit[1],
                     self.layer_names[layer_id],
                 )
-                emitted.append((layer_id, spans))
+                emitted.append((layer_id, spans, whole))
             if clear_selected:
                 touched: set[int] = set()
-                for layer_id, spans in emitted:
-                    touched.update(_distinct(spans.req))
-                    self._kill(layer_id, spans)
+                for layer_id, spans, whole in emitted:
+                    if whole is None:
+                        touched.update(_distinct(spans.req))
+                        self._kill(layer_id, spans)
+                    else:
+                        touched.update(whole[1].reqs.tolist())
+                        self._drop_whole_layer(layer_id, *whole)
                 self._reclaim_requests(touched)
             return result
+
+    def _whole_layer(self, layer_id: int) -> tuple[int, _Chunk] | None:
+        """``(chunk id, chunk)`` when the layer is one chunk whose rows are all live."""
+        layer = self.chunks[layer_id]
+        if len(layer) != 1:
+            return None
+        chunk_id, chunk = next(iter(layer.items()))
+        return (chunk_id, chunk) if chunk.live_rows == chunk.rows else None
+
+    def _drop_whole_layer(self, layer_id: int, chunk_id: int, chunk: _Chunk) -> None:
+        """Remove a layer that ``_whole_layer`` found whole: ``_kill`` of every span at once."""
+        if self._unindexed.pop(chunk_id, None) is None:
+            by_request = self._request_chunks
+            for index in chunk.reqs.tolist():
+                by_request[index].pop(layer_id, None)
+        self._live[chunk.reqs] -= chunk.lens  # reqs are distinct
+        self._bytes_stored -= chunk.nbytes
+        self._forget_layer(layer_id)
 
     def _wanted_layers(self, layers: list[int] | None) -> list[int]:
         if layers is None:
@@ -1014,6 +1044,12 @@ def _distinct(values: np.ndarray) -> list[int]:
         return [head]
     ordered = np.sort(values)
     return ordered[_run_starts(ordered)].tolist()
+
+
+def _whole_rows(chunk: _Chunk) -> FetchedRows:
+    """All of a chunk's rows, in its order (which is wire order)."""
+    rows = slice(0, chunk.rows)
+    return FetchedRows(chunk.tensor.dtype, chunk.rows, [(chunk.tensor, chunk.raw, rows, rows)])
 
 
 def _run_starts(values: np.ndarray) -> np.ndarray:
