@@ -103,7 +103,7 @@ class Stream:
     # into it (-1: none yet). Arrays, so a step's segments update them without a Python loop.
     slot_req_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     slot_last_position: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    # Requests this stream will not track again: failed, or reduced and finalized by a fetch.
+    # Requests this stream will not track again: failed, or reduced and closed by a fetch.
     closed: set[str] = field(default_factory=set)
     # reduce="all": per step whose rows wait in the device ring, (condition, conditions, rows) as
     # planned; and finish markers of requests whose rows may be among them.
@@ -191,9 +191,10 @@ class CaptureSession:
         # "harvest_sync" waited for device-to-host copies to finish (a fetch storing reductions
         # itself adds its wait there too); "harvest_cpu" is the CPU time the thread spent in it
         # (harvest far above harvest_cpu: it waited, for the GIL or a lock, beyond those copies).
-        # The fetch_* stages are a fetch's, in the worker: reductions still open, enqueueing the
-        # copy of the rings' pending rows, waiting for the harvest thread to store everything,
-        # storing the reductions the fetch finalized (store), planning the rows (serialize) and
+        # The fetch_* stages are a fetch's, in the worker: closing the reductions still open and
+        # enqueueing the read of every closed one (finalize), enqueueing the copy of the rings'
+        # pending rows, waiting for the harvest thread to store everything, storing the
+        # reductions the fetch read (store), planning the rows (serialize) and
         # copying them out (write, timed by the caller), of which write_file found and prepared
         # the reply file, write_copy copied the rows, write_keep kept or let go of mappings and
         # write_release let go of the rows' sources, using release_cpu of CPU time
@@ -763,7 +764,7 @@ class CaptureSession:
         return tensors, labels
 
     def _store_reduced(self, items: list[_Reduced]) -> None:
-        """Store one stream's finalized reductions, in queue order. Layers holding rows for the
+        """Store one stream's read reductions, in queue order. Layers holding rows for the
         same requests (in practice every layer of the stream) go into the store in one append
         for all of ``items``: labels checked and rows grouped by request once, not once per layer
         and step, and each layer's rows of a generate land in one chunk, which a fetch takes
