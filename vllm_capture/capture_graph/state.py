@@ -383,7 +383,8 @@ class CaptureGraphState:
                     group.enabled_index.record_stream(self._copy_stream)
                 if labels is None:
                     labels = _to_host(group.labels[group.enabled[0], start:start + n], cuda)
-                rows = _to_host(rows, cuda)
+                if cuda:  # on the CPU, index_select made ``rows`` for this drain alone
+                    rows = _to_host(rows, cuda)
                 for k, i in enumerate(group.enabled):
                     site = group.sites[i]
                     layers[site.layer_id] = (rows[k], labels)
@@ -446,7 +447,8 @@ class CaptureGraphState:
                     # The gathered temporaries must outlive the copies that read them.
                     for t in picked:
                         t.record_stream(self._copy_stream)
-                rows, labels, counts = (_to_host(t, cuda) for t in picked)
+                # On the CPU the gathers above made these for this read alone: no copy.
+                rows, labels, counts = (_to_host(t, cuda) for t in picked) if cuda else picked
                 for k, i in enumerate(group.enabled):
                     site = group.sites[i]
                     layers[site.layer_id] = (rows[k], labels, counts[k])
