@@ -566,7 +566,10 @@ class CaptureSession:
                                  select=select, next_position=0)
             if st.config.reduce != "all":
                 if st.finished:
-                    self._queue_held(st)  # their slots, for these requests
+                    # Their slots, for these requests (more of the generate, or a generate that
+                    # began without a fetch); the held notices go with them, as only finished
+                    # rows are ever held ahead of notices.
+                    self._queue_held(st)
                 if not st.free_slots:
                     st.store.fail_request(
                         req_id, f"more concurrent requests than reduce slots "
@@ -582,8 +585,6 @@ class CaptureSession:
             if first_position > 0 and self._selects_missing(st, track, first_position):
                 st.store.mark_elided(req_id)
             st.tracks[req_id] = track
-        if new_slots and st.held:
-            self._queue_held(st)  # requests go on (or a generate began without a fetch)
         # One device fill for every slot handed out this step (the step's forward follows it).
         self.graph_state.reset_acc_slots(st.component, new_slots)
         if new_slots and self.on_stored is not None:
