@@ -10,9 +10,10 @@ A graph of ``--layers`` stand-ins for a decoder layer's last kernel (an in-place
 * ``rows``: the same gathering every row into the ring (a decode step of an all-positions stream).
 
 Each graph is replayed ``--replays`` times back to back, timed with CUDA events; the table gives
-microseconds per capture kernel over ``none``. Configurations are ``BLOCK_W x NUM_WARPS`` of
-``vllm_capture.kernels.capture`` (set on the module before the launches, so each compiles its own
-variant). Prints one JSON line per configuration. Session 11 also measured a launch with
+microseconds per capture kernel over ``none``. Configurations are ``BLOCK_W x NUM_WARPS x
+SPEC_ROWS`` of ``vllm_capture.kernels.capture`` (set on the module before the launches, so each
+tile compiles its own variant; ``SPEC_ROWS`` 0 turns off reading rows alongside the plan).
+Prints one JSON line per configuration. Session 11 also measured a launch with
 programmatic dependent launch (the kernel's launch overlapping the end of the stand-in): 0.3 us
 saved on a last-token kernel, 0.14-0.16 us lost on the others; not kept
 (``benchmarks/results/2026-12-01-h200-session11/README.md``).
@@ -36,8 +37,8 @@ import torch  # noqa: E402
 from vllm_capture.kernels import capture as C  # noqa: E402
 from vllm_capture.kernels import layout as L  # noqa: E402
 
-# (BLOCK_W, NUM_WARPS)
-CONFIGS = ((64, 8), (128, 8), (128, 4), (256, 8), (256, 4), (512, 8))
+# (BLOCK_W, NUM_WARPS, SPEC_ROWS); session 10 compared six tiles without the early row read
+CONFIGS = ((64, 8, 0), (64, 8, 256), (128, 8, 0), (128, 8, 256), (128, 4, 256))
 
 
 def _graph_us(launch, replays: int) -> float:
@@ -61,8 +62,9 @@ def _graph_us(launch, replays: int) -> float:
     return best
 
 
-def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int) -> dict:
-    C.BLOCK_W, C.NUM_WARPS = block_w, warps
+def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int,
+            spec_rows: int) -> dict:
+    C.BLOCK_W, C.NUM_WARPS, C.SPEC_ROWS = block_w, warps, spec_rows
     dev = torch.device("cuda")
     x = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
     residual = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
@@ -95,7 +97,7 @@ def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, wa
                              acc, acc_labels, acc_count)
 
     base = _graph_us(layers_only, replays)
-    out = {"block_w": block_w, "num_warps": warps,
+    out = {"block_w": block_w, "num_warps": warps, "spec_rows": spec_rows, "tokens": tokens,
            "grid": C.capture_grid(tokens, width, tokens),
            "none_us": round(base, 2)}
     for name, mode, enabled in (("exiting", L.MODE_OFF, 0), ("last", L.MODE_LAST, 1),
@@ -119,11 +121,13 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=32, help="an even number")
     p.add_argument("--replays", type=int, default=500)
     args = p.parse_args()
-    for block_w, warps in CONFIGS:
+    for block_w, warps, spec_rows in CONFIGS:
         try:
-            out = measure(args.tokens, args.width, args.layers, args.replays, block_w, warps)
+            out = measure(args.tokens, args.width, args.layers, args.replays, block_w, warps,
+                          spec_rows)
         except Exception as exc:  # one configuration the driver refuses does not end the table
-            out = {"block_w": block_w, "num_warps": warps, "error": repr(exc)[:300]}
+            out = {"block_w": block_w, "num_warps": warps, "spec_rows": spec_rows,
+                   "error": repr(exc)[:300]}
         print(json.dumps(out), flush=True)
     return 0
 

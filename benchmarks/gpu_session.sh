@@ -112,8 +112,11 @@ PY
     done
     ;;
   nodes)
-    # What one capture kernel adds to a CUDA graph per launch configuration (no engine, seconds).
-    timeout 200 python3 benchmarks/capture_nodes.py 2>&1 | tee "$OUT/capture_nodes.log" | grep -E "^\{"
+    # What one capture kernel adds to a CUDA graph per launch configuration (no engine, seconds):
+    # a decode batch of 64, and 256 (the most tokens whose rows load alongside the plan).
+    for t in 64 256; do
+      timeout 150 python3 benchmarks/capture_nodes.py --tokens $t 2>&1 | tee -a "$OUT/capture_nodes.log" | grep -E "^\{"
+    done
     ;;
   startup)
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.

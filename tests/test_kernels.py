@@ -496,6 +496,63 @@ def test_mean_short_segments_sum_sequentially():
 
 
 # ----------------------------------------------------------------------------------------------
+# decode steps: rows read alongside the plan
+# ----------------------------------------------------------------------------------------------
+
+def _decode_plan(b, mode):
+    """A decode-like step: entry ``e`` at row ``e``, except a few the plan puts elsewhere (a swap,
+    a prefill chunk in the same step, a segment ending at its own index). Returns the rows read."""
+    if mode == L.MODE_ROWS:
+        rows = list(range(30))
+        rows[5], rows[6] = 6, 5
+        rows[20], rows[25] = 35, 39
+        b["plan_meta"][:] = torch.tensor([mode, len(rows), 2, 0])
+        for r, row in enumerate(rows):
+            b["plan"][:3, r] = torch.tensor([row, 700 + r, 9000 + row], dtype=torch.int32)
+        return set(rows)
+    segs = [(s, 1) for s in range(20)]
+    segs[3] = (30, 6)    # a prefill chunk
+    segs[7] = (36, 1)
+    segs[8] = (7, 2)     # ends at row 8: its last row is its own index, its first is not
+    b["plan_meta"][:] = torch.tensor([mode, len(segs), 0, 0])
+    for s, (start, cnt) in enumerate(segs):
+        b["plan"][:, s] = torch.tensor([start, cnt, (s * 7) % 20, 100 + s], dtype=torch.int32)
+    if mode == L.MODE_LAST:
+        return {start + cnt - 1 for start, cnt in segs}
+    return {t for start, cnt in segs for t in range(start, start + cnt)}
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", [L.MODE_ROWS, L.MODE_LAST, L.MODE_MEAN])
+def test_decode_rows_read_with_the_plan(mode, monkeypatch):
+    """At most ``SPEC_ROWS`` tokens, the kernel reads row ``e`` beside plan entry ``e`` and uses
+    it where the plan agrees. Rows no entry reads are NaN, so a row taken for the wrong entry
+    shows; the result is bit-equal to brute force and to the kernel with that read off."""
+    capture = sys.modules["vllm_capture.kernels.capture"]
+    g = torch.Generator().manual_seed(50 + mode)
+    T, W, acc_slots = 40, 130, 20
+    assert T <= capture.SPEC_ROWS
+    b = make_bufs(g, cap=32, W=W, ring_rows=40, ring_dtype=torch.bfloat16, acc_slots=acc_slots)
+    read = _decode_plan(b, mode)
+    unread = [t for t in range(T) if t not in read]
+    x = make_x(g, T, W, torch.bfloat16, "sliced", fill_nan_rows=unread)
+    res = make_x(g, T, W, torch.bfloat16, "contig", fill_nan_rows=unread)
+    ids = make_ids(g, T, torch.int64)
+    out = run_all(x, res, ids, b)
+    assert_same(out, approx_acc=mode == L.MODE_MEAN)
+    # short segments sum row by row, as brute force does
+    assert torch.equal(bits(out["triton"]["acc"]), bits(out["brute"]["acc"]))
+    assert not torch.isnan(out["triton"]["acc"]).any()
+    assert not torch.isnan(out["triton"]["ring"].float()).any()
+    for spec_rows in (0, T - 1):
+        monkeypatch.setattr(capture, "SPEC_ROWS", spec_rows)
+        bb = clone(b)
+        K.launch_capture(x, res, ids, *(bb[k] for k in BUFS), use_triton=True)
+        for k in BUFS:
+            assert torch.equal(bits(bb[k]), bits(out["triton"][k])), (spec_rows, k)
+
+
+# ----------------------------------------------------------------------------------------------
 # no-op paths, counter, edge sizes
 # ----------------------------------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ if HAVE_TRITON:
     @triton.jit
     def accumulate_segments_tile(
         x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
-        start, cnt, slot, req,
+        start, cnt, slot, req, spec_ok, spec_x, spec_tok,
         n, T, n_acc, W, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         pid_r, pid_w,
@@ -66,6 +66,9 @@ if HAVE_TRITON:
 
         ``start``, ``cnt``, ``slot`` and ``req`` are those segments' ``plan[PLAN_SEG_*]``
         ([BLOCK_R], read by the caller before it knew the mode, so that they load alongside it).
+        ``spec_x`` and ``spec_tok`` are fp32 rows ``s`` of this tile and their token ids, read by
+        the caller alongside the plan where ``spec_ok``: a one-row segment at row ``s`` (decode)
+        takes them instead of reading its row after the plan.
 
         ``IS_MEAN`` is a compile-time switch (the capture kernel dispatches on the runtime mode to
         one of two inlined copies). Labels and counts are written by the ``pid_w == 0`` column
@@ -97,10 +100,12 @@ if HAVE_TRITON:
             short = ok & (cnt <= SHORT)
             n_steps = max0(tl.where(short, cnt, 0))
             if n_steps > 0:
-                total = tl.full([BLOCK_R, BLOCK_W], 0.0, tl.float32)
+                have = short & spec_ok & (start == s)
+                # 0.0 + r0 and r0 + 0.0 are the same bits: the order of the sum is kept.
+                total = tl.where(have[:, None], spec_x, 0.0)
                 for i in range(0, n_steps):
                     rows64 = (start + i).to(tl.int64)
-                    m = (short & (i < cnt))[:, None] & cmask[None, :]
+                    m = (short & (i < cnt) & ~(have & (i == 0)))[:, None] & cmask[None, :]
                     total += load_rows_f32(x_ptr, res_ptr, rows64[:, None], cols64[None, :], m,
                                            stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
                 m = short[:, None] & cmask[None, :]
@@ -138,12 +143,17 @@ if HAVE_TRITON:
             # One row per segment: BLOCK_R segments as one [BLOCK_R, BLOCK_W] tile.
             last = start + cnt - 1
             last64 = last.to(tl.int64)
+            have = ok & spec_ok & (last == s)
             m = ok[:, None] & cmask[None, :]
-            v = load_rows_f32(x_ptr, res_ptr, last64[:, None], cols64[None, :], m,
+            v = load_rows_f32(x_ptr, res_ptr, last64[:, None], cols64[None, :],
+                              (ok & ~have)[:, None] & cmask[None, :],
                               stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
+            v = tl.where(have[:, None], spec_x, v)
             tl.store(acc_ptr + slot64[:, None] * W + cols64[None, :], v, mask=m)
             if pid_w == 0:
-                tok = tl.load(ids_ptr + last64 * stride_ids, mask=ok & (last < n_ids), other=_NO_TOKEN)
+                tok = tl.load(ids_ptr + last64 * stride_ids, mask=ok & (last < n_ids) & ~have,
+                              other=_NO_TOKEN)
+                tok = tl.where(have, spec_tok, tok)
                 lab = acc_labels_ptr + slot64 * _LABEL_FIELDS
                 tl.store(lab + _LABEL_REQ, req, mask=ok)
                 tl.store(lab + _LABEL_TOKEN, tok.to(tl.int32), mask=ok)

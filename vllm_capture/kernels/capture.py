@@ -48,9 +48,14 @@ BLOCK_T = 64
 MEAN_SHORT = 16
 #: warps per program (no autotuning: a fixed, small configuration).
 NUM_WARPS = 8
+#: steps of at most this many (padded) tokens load row ``e`` alongside plan entry ``e``
+#: (decode: entry ``e`` is row ``e``); 0 turns that off. A bound, because a step of ``T`` tokens
+#: then reads ``T`` rows where it needs one per request.
+SPEC_ROWS = 256
 
 if HAVE_TRITON:
     from .accumulate import accumulate_segments_tile
+    from .common import load_rows_f32
     from .gather import gather_rows_tile
 
     _MODE_ROWS = tl.constexpr(L.MODE_ROWS)
@@ -62,8 +67,9 @@ if HAVE_TRITON:
     _SITE_EXECUTIONS = tl.constexpr(L.SITE_EXECUTIONS)
     _SITE_ENABLED = tl.constexpr(L.SITE_ENABLED)
     _PLAN_FIELDS = tl.constexpr(L.PLAN_FIELDS)
+    _NO_TOKEN = tl.constexpr(L.NO_TOKEN)
 
-    _SIZE_ARGS = ["T", "W", "cap", "ring_rows", "acc_slots", "n_ids",
+    _SIZE_ARGS = ["T", "W", "cap", "ring_rows", "acc_slots", "n_ids", "spec_rows",
                   "stride_xt", "stride_xw", "stride_rt", "stride_rw", "stride_ids"]
 
     @triton.jit(do_not_specialize=_SIZE_ARGS,
@@ -71,7 +77,7 @@ if HAVE_TRITON:
     def capture_site_kernel(
         x_ptr, res_ptr, ids_ptr, meta_ptr, plan_ptr, site_ptr,
         ring_ptr, ring_labels_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
-        T, W, cap, ring_rows, acc_slots, n_ids,
+        T, W, cap, ring_rows, acc_slots, n_ids, spec_rows,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         HAS_RES: tl.constexpr, UNIT_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
         BLOCK_T: tl.constexpr, SHORT: tl.constexpr,
@@ -83,8 +89,12 @@ if HAVE_TRITON:
         tile. Those reads are all issued at once, before any of them is known: a step's capture
         costs two dependent memory round trips (plan, then rows), where reading each value only
         once the previous one allowed it cost five, and at decode a site's launch is mostly
-        waiting. The atomics are relaxed: nothing in the kernel waits for them, and the host
-        reads the counters after the step.
+        waiting. A step of at most ``spec_rows`` tokens also reads rows ``e`` of its tile (and
+        their token ids) in that first round: at decode the plan's entry ``e`` is row ``e`` (every
+        request one token, in batch order), and the tiles use those values wherever the plan
+        agrees, so such a step costs one round trip; entries the plan puts elsewhere are still
+        read after the plan. The atomics are relaxed: nothing in the kernel waits for them, and
+        the host reads the counters after the step.
         """
         pid_r = tl.program_id(0)
         pid_w = tl.program_id(1)
@@ -102,6 +112,14 @@ if HAVE_TRITON:
         plan1 = tl.load(plan_ptr + e * _PLAN_FIELDS + 1, mask=e_ok, other=0)
         plan2 = tl.load(plan_ptr + e * _PLAN_FIELDS + 2, mask=e_ok, other=-1)
         plan3 = tl.load(plan_ptr + e * _PLAN_FIELDS + 3, mask=e_ok, other=0)
+        cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+        spec_ok = e_ok & (T <= spec_rows)
+        e64 = e.to(tl.int64)
+        spec_x = load_rows_f32(x_ptr, res_ptr, e64[:, None], cols.to(tl.int64)[None, :],
+                               spec_ok[:, None] & (cols < W)[None, :],
+                               stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
+        spec_tok = tl.load(ids_ptr + e64 * stride_ids, mask=spec_ok & (e < n_ids) & (pid_w == 0),
+                           other=_NO_TOKEN)
         if enabled != 0:
             if mode == _MODE_ROWS:
                 n = tl.minimum(tl.minimum(tl.maximum(count, 0), tl.minimum(T, cap)),
@@ -109,7 +127,7 @@ if HAVE_TRITON:
                 if (pid_r * BLOCK_R < n) & (offset >= 0):
                     gather_rows_tile(
                         x_ptr, res_ptr, ids_ptr, ring_ptr, ring_labels_ptr,
-                        plan0, plan1, plan2,
+                        plan0, plan1, plan2, spec_ok, spec_x, spec_tok,
                         n, offset, T, W, n_ids,
                         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
                         pid_r, pid_w, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W)
@@ -119,14 +137,14 @@ if HAVE_TRITON:
                     if mode == _MODE_LAST:
                         accumulate_segments_tile(
                             x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
-                            plan0, plan1, plan2, plan3,
+                            plan0, plan1, plan2, plan3, spec_ok, spec_x, spec_tok,
                             n, T, acc_slots, W, n_ids,
                             stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
                             pid_r, pid_w, False, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W, BLOCK_T, SHORT)
                     else:
                         accumulate_segments_tile(
                             x_ptr, res_ptr, ids_ptr, plan_ptr, acc_ptr, acc_labels_ptr, acc_count_ptr,
-                            plan0, plan1, plan2, plan3,
+                            plan0, plan1, plan2, plan3, spec_ok, spec_x, spec_tok,
                             n, T, acc_slots, W, n_ids,
                             stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
                             pid_r, pid_w, True, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W, BLOCK_T, SHORT)
@@ -268,7 +286,7 @@ def launch_capture(
         ids, n_ids, stride_ids = input_ids, input_ids.shape[0], input_ids.stride(0)
     capture_site_kernel[capture_grid(T, W, cap)](
         x, res, ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count,
-        T, W, cap, ring_rows, n_acc, n_ids,
+        T, W, cap, ring_rows, n_acc, n_ids, SPEC_ROWS,
         x.stride(0), x.stride(1), stride_rt, stride_rw, stride_ids,
         HAS_RES=has_res, UNIT_W=unit_w, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, SHORT=MEAN_SHORT,
         num_warps=NUM_WARPS,

@@ -34,7 +34,7 @@ if HAVE_TRITON:
     @triton.jit
     def gather_rows_tile(
         x_ptr, res_ptr, ids_ptr, ring_ptr, ring_labels_ptr,
-        row, req, pos,
+        row, req, pos, spec_ok, spec_x, spec_tok,
         n, offset, T, W, n_ids,
         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
         pid_r, pid_w,
@@ -44,7 +44,9 @@ if HAVE_TRITON:
 
         ``row``, ``req`` and ``pos`` are those entries' ``plan[PLAN_ROW]``, ``plan[PLAN_REQ]`` and
         ``plan[PLAN_POS]`` ([BLOCK_R], read by the caller before it knew the mode, so that they
-        load alongside it). ``n`` (already clamped to the ring's end) and ``offset`` (already
+        load alongside it). ``spec_x`` and ``spec_tok`` are fp32 rows ``r`` of this tile and their
+        token ids, read by the caller alongside the plan where ``spec_ok``; an entry whose planned
+        row is ``r`` takes them instead of reading its row after the plan. ``n`` (already clamped to the ring's end) and ``offset`` (already
         checked >= 0) come from device memory, so the same compiled kernel and grid serve every
         step of a captured graph. Labels are written once per row, by the ``pid_w == 0`` column
         block.
@@ -57,15 +59,19 @@ if HAVE_TRITON:
         cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
         cmask = cols < W
         cols64 = cols.to(tl.int64)
-        lmask = row_ok[:, None] & cmask[None, :]
+        have = spec_ok & (row == r)
+        lmask = (row_ok & ~have)[:, None] & cmask[None, :]
         v = load_rows_f32(x_ptr, res_ptr, row64[:, None], cols64[None, :], lmask,
                           stride_xt, stride_xw, stride_rt, stride_rw, HAS_RES, UNIT_W)
+        v = tl.where(have[:, None], spec_x, v)
         dst = offset.to(tl.int64) + r.to(tl.int64)                          # ring row index
         tl.store(ring_ptr + dst[:, None] * W + cols64[None, :],
                  from_f32(v, ring_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
         if pid_w == 0:
-            tok = tl.load(ids_ptr + row64 * stride_ids, mask=row_ok & (row < n_ids), other=_NO_TOKEN)
+            tok = tl.load(ids_ptr + row64 * stride_ids, mask=row_ok & (row < n_ids) & ~have,
+                          other=_NO_TOKEN)
+            tok = tl.where(have, spec_tok, tok)
             lab = ring_labels_ptr + dst * _LABEL_FIELDS
             tl.store(lab + _LABEL_REQ, req, mask=rmask)
             tl.store(lab + _LABEL_POS, pos, mask=rmask)
