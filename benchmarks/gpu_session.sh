@@ -120,7 +120,8 @@ PY
     ;;
   startup)
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.
-    timeout 540 python3 benchmarks/startup.py --model ${2:-1b} --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
+    # (ROUNDS, the third argument: 1 by default; a round of the 1B shape takes about 4.5 minutes.)
+    timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph

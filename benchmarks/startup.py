@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Engine start-up, vanilla against capture-installed, each from its own empty compile cache.
 
-    python3 benchmarks/startup.py --model 1b [--order vanilla,capture,vanilla,capture] [--out DIR]
+    python3 benchmarks/startup.py --model 1b [--order vanilla,capture,vanilla,capture] [--rounds N]
+        [--out DIR]
 
 Start order decides who finds a warm cache: in one cache directory, the engine started second
 reuses the Triton kernels and Inductor code the first one compiled. So every kind gets a fresh
@@ -11,6 +12,11 @@ an engine sees). Each start runs in a fresh process and times ``LLM(...)`` until
 graphs and torch.compile on (vLLM's defaults). Prints one line per start (a capture start also
 gives what capture's own parts took: its install at model load, of which the kernel warm-up, and
 the graph copies) and the capture/vanilla ratios last; writes ``startup.json`` into ``--out``.
+
+One start per case is within the host's noise (a cold vanilla start of the 1B shape took 53 to
+75 s across sessions), so ``--rounds N`` repeats the order N times, each round from new empty
+caches and every second round in reverse (so neither kind always starts first), and the ratios
+are of the medians.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ def main() -> int:
     p.add_argument("--model", default="1b", help="a benchmarks.scenarios.MODELS key")
     p.add_argument("--order", default="vanilla,capture,vanilla,capture",
                    help="starts, in order; each kind's first start is cold, later ones warm")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the order, each time from new caches, every second time reversed")
     p.add_argument("--out", help="folder for startup.json")
     p.add_argument("--timeout-s", type=float, default=400.0, help="per start")
     p.add_argument("--one", nargs=3, metavar=("KIND", "FOLDER", "DEVICE"), help=argparse.SUPPRESS)
@@ -88,9 +96,12 @@ def main() -> int:
     folder = str(prepare_model(S.MODELS[args.model], work))
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
     starts = []
-    for kind in order:
-        cache = work / f"cache-{kind}"
+    runs = [(r, kind) for r in range(args.rounds) for kind in (order[::-1] if r % 2 else order)]
+    for r, kind in runs:
+        cache = work / f"cache-{kind}-{r}"
         env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "vllm"),
                    TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
         cold = not cache.exists()
@@ -100,7 +111,7 @@ def main() -> int:
                               capture_output=True, text=True, timeout=args.timeout_s)
         log = proc.stdout + proc.stderr
         found = re.search(r"STARTUP_S ([\d.]+)", proc.stdout)
-        start = {"kind": kind, "cache": "cold" if cold else "warm", "rc": proc.returncode,
+        start = {"round": r, "kind": kind, "cache": "cold" if cold else "warm", "rc": proc.returncode,
                  "llm_s": float(found.group(1)) if found else None,
                  "process_s": round(time.perf_counter() - t, 3)}
         for name, pattern in PHASES.items():
@@ -120,7 +131,8 @@ def main() -> int:
                        and s["llm_s"] is not None] for k in KINDS}
         if all(by_kind.values()):
             ratios[cache] = statistics.median(by_kind["capture"]) / statistics.median(by_kind["vanilla"])
-    result = {"model": args.model, "order": order, "starts": starts, "capture_over_vanilla": ratios}
+    result = {"model": args.model, "order": order, "rounds": args.rounds, "starts": starts,
+              "capture_over_vanilla": ratios}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "startup.json").write_text(json.dumps(result, indent=1))

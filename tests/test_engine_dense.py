@@ -101,10 +101,10 @@ def _quick_capture_ok(llm) -> None:
     check_result_labels(res, [fed], [range(len(fed))])
     status = capture_status(llm)
     assert status["enabled"] is False
-    # What capture added to the start, timed at model load (the kernel warm-up is part of it).
+    # What capture added to the start, timed at model load (on CUDA also the kernels' compile
+    # thread and the wait for it at graph capture; the CPU has no kernels to compile).
     startup = status["startup_ms"]
-    assert set(startup) == {"install", "kernel_warmup"}
-    assert 0 <= startup["kernel_warmup"] <= startup["install"] and startup["install"] > 0
+    assert set(startup) == {"install"} and startup["install"] > 0
 
 
 # ---- 1. fidelity ---------------------------------------------------------------------------------

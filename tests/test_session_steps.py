@@ -1597,6 +1597,77 @@ def test_runners_switch_the_device_plan_off_before_forwards_that_are_not_steps(r
     assert runner.mode() == L.MODE_LAST
 
 
+def test_kernels_compile_on_a_thread_and_load_before_the_first_launch(monkeypatch):
+    """On CUDA the kernel variants compile on a thread while vLLM compiles the model (only
+    dtypes, no device work); the first launch (graph capture, or an eager step) waits for them
+    on its own thread and loads each variant there; a compile error surfaces at that wait."""
+    import vllm_capture.capture_graph.state as state_module
+    from vllm_capture.capture_graph.state import Site
+
+    release = threading.Event()
+    calls = []
+
+    def compile_variants(device, dtypes, *, ids_dtypes):
+        calls.append(("compile", threading.current_thread().name, list(dtypes), ids_dtypes))
+        assert release.wait(5)
+        if dtypes == ["boom"]:
+            raise RuntimeError("ptxas failed")
+        return len(dtypes)
+
+    def warmup(device, dtypes, *, ids_dtypes):
+        calls.append(("load", threading.current_thread().name, list(dtypes), ids_dtypes))
+        return len(dtypes)
+
+    monkeypatch.setattr(state_module, "compile_variants", compile_variants)
+    monkeypatch.setattr(state_module, "warmup", warmup)
+
+    def cuda_state(*dtypes):
+        state = CaptureGraphState(device=torch.device("cuda"), capacity=4)
+        for i, dtype in enumerate(dtypes):
+            state.sites[i] = Site(HS, i, f"l{i}", 5, dtype, torch.zeros(2, dtype=torch.int32))
+        return state
+
+    state = cuda_state(torch.bfloat16, torch.float32, torch.bfloat16)
+    state.set_input_ids(torch.zeros(4, dtype=torch.int64))
+    time.sleep(0.05)
+    # set_input_ids returned while the compile is still running, elsewhere
+    assert calls == [("compile", calls[0][1], [torch.bfloat16, torch.float32], (torch.int64,))]
+    assert calls[0][1] != threading.current_thread().name
+    release.set()
+    state.await_kernels()
+    me = threading.current_thread().name
+    assert calls[1:] == [("load", me, [torch.bfloat16], (torch.int64,)),
+                         ("load", me, [torch.float32], (torch.int64,))]
+    assert set(state.startup_ms) == {"kernel_compile", "kernel_wait"}
+    state.await_kernels()  # once only
+    assert len(calls) == 3
+
+    release.clear()
+    state = cuda_state("boom")
+    state.set_input_ids(torch.zeros(4, dtype=torch.int32))
+    release.set()
+    with pytest.raises(RuntimeError, match="ptxas failed"):
+        state.await_kernels()
+    assert calls[-1][0] == "compile"  # nothing loaded
+
+
+@pytest.mark.parametrize("runner_class", [_FakeV1Runner, _FakeV2Runner])
+def test_runners_wait_for_the_kernels_before_graph_capture_only(runner_class, monkeypatch):
+    """vLLM's profile run compiles the model while the kernels compile; graph capture, which
+    records their launches, waits for them."""
+    from vllm_capture.engine.runners import wrap_runner
+
+    engine = Engine(acc_slots=3)
+    runner = runner_class(engine)
+    wrap_runner(runner, engine.session)
+    waits = []
+    monkeypatch.setattr(engine.state, "await_kernels", lambda: waits.append(len(runner.seen)))
+    runner._dummy_run(4)
+    assert waits == []
+    runner.capture_model()
+    assert waits == [1] and runner.seen[-1][0] == "capture_model"
+
+
 def test_int64_input_ids_and_ring_wraps():
     """vLLM's persistent input_ids may be int64; steps that run past the ring's end wrap to its
     start after the rows there were drained, several steps per drain."""

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from vllm_capture.capture_graph import graph_nodes
-from vllm_capture.kernels import launch_capture, warmup
+from vllm_capture.kernels import compile_variants, launch_capture, warmup
 from vllm_capture.kernels import layout as L
 
 
@@ -131,6 +133,10 @@ class CaptureGraphState:
     # The capture kernels' nodes in captured CUDA graphs, left out of replays while their site
     # is off (CUDA only; see graph_nodes).
     nodes: graph_nodes.GraphNodes | None = None
+    # What preparing the kernels took (ms): compiling on a thread, and what the first launch
+    # waited for (the thread's end, then loading each variant).
+    startup_ms: dict[str, float] = field(default_factory=dict)
+    _compiling: Future | None = None
     _copy_stream: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -224,13 +230,34 @@ class CaptureGraphState:
     def set_input_ids(self, input_ids: torch.Tensor) -> None:
         """The runner's persistent token-id buffer; the kernels read row labels from it.
 
-        Then the kernel variants this model needs are compiled, before vLLM captures graphs:
-        one per (site dtype, with/without residual) for this token-id dtype.
+        Then the kernel variants this model needs (one per site dtype, with and without a
+        residual, for this token-id dtype) start compiling on a thread: vLLM compiles the model
+        meanwhile, and :meth:`await_kernels` waits for them before the first launch.
         """
         self.input_ids = input_ids
         if self.device.type == "cuda":
-            warmup(self.device, sorted({s.dtype for s in self.sites.values()}, key=str),
-                   ids_dtypes=(input_ids.dtype,))
+            dtypes = sorted({s.dtype for s in self.sites.values()}, key=str)
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-capture-compile")
+            self._compiling = pool.submit(self._compile_kernels, dtypes, input_ids.dtype)
+            pool.shutdown(wait=False)
+
+    def _compile_kernels(self, dtypes: list[torch.dtype], ids_dtype: torch.dtype) -> list:
+        started = time.perf_counter()
+        compile_variants(self.device, dtypes, ids_dtypes=(ids_dtype,))
+        self.startup_ms["kernel_compile"] = round((time.perf_counter() - started) * 1e3, 1)
+        return dtypes
+
+    def await_kernels(self) -> None:
+        """Before the first launch (graph capture, or an eager step): wait for the compile thread
+        (raising what it raised), then launch each variant once on dummy buffers, which loads it
+        into the CUDA context; a graph being captured must not see that happen."""
+        if self._compiling is None:
+            return
+        started = time.perf_counter()
+        compiling, self._compiling = self._compiling, None
+        for dtype in compiling.result():
+            warmup(self.device, [dtype], ids_dtypes=(self.input_ids.dtype,))
+        self.startup_ms["kernel_wait"] = round((time.perf_counter() - started) * 1e3, 1)
 
     def set_enabled(self, component: str, layers: set[int] | None) -> None:
         """Switch sites of ``component`` on (layers=None: all) or off (empty set)."""
@@ -348,6 +375,7 @@ class CaptureGraphState:
                 return
             site.eager_executions += 1
             self.step_eager_launches += 1
+            self.await_kernels()
         launch_capture(x, residual, self.input_ids, buf.meta, buf.plan, counter, site.ring,
                        site.ring_labels, site.acc, site.acc_labels, site.acc_count)
         if capturing and self.nodes is not None:

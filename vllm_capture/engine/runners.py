@@ -10,7 +10,8 @@ ordered before step N+1's forward even under async scheduling.
 - V2 runner: ``execute_model`` (skipping ``dummy_run``) and ``prepare_inputs``, which returns the
   step's ``InputBatch``.
 - Both: ``_dummy_run`` and ``capture_model`` switch the device plans off first (a step leaves its
-  plan there, so that the next step repeating it uploads nothing).
+  plan there, so that the next step repeating it uploads nothing); ``capture_model`` first waits
+  for the capture kernels to be compiled.
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ def _switch_off_before_unplanned_forwards(runner, session) -> None:
         if method is None:
             continue
 
-        def unplanned(*args, _method=method, **kwargs):
+        def unplanned(*args, _method=method, _capture=name == "capture_model", **kwargs):
             session.switch_off()
+            if _capture:
+                # Graph capture records the kernels' first launches: they must be compiled and
+                # loaded by then (they compile on a thread while vLLM compiles the model).
+                session.await_kernels()
             return _method(*args, **kwargs)
 
         setattr(runner, name, unplanned)

@@ -16,6 +16,7 @@ from .capture import (
     NUM_WARPS,
     capture_grid,
     capture_reference,
+    compile_variants,
     launch_capture,
     warmup,
 )
@@ -55,7 +56,7 @@ from .layout import (
 )
 
 __all__ = [
-    "layout", "launch_capture", "warmup", "capture_reference", "capture_grid",
+    "layout", "launch_capture", "warmup", "compile_variants", "capture_reference", "capture_grid",
     "gather_rows_reference", "accumulate_reference", "HAVE_TRITON",
     "BLOCK_R", "BLOCK_W", "BLOCK_T", "MEAN_SHORT", "NUM_WARPS",
     "META_MODE", "META_COUNT", "META_OFFSET", "META_FIELDS",

@@ -288,9 +288,46 @@ def launch_capture(
         x, res, ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count,
         T, W, cap, ring_rows, n_acc, n_ids, SPEC_ROWS,
         x.stride(0), x.stride(1), stride_rt, stride_rw, stride_ids,
-        HAS_RES=has_res, UNIT_W=unit_w, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, SHORT=MEAN_SHORT,
-        num_warps=NUM_WARPS,
+        HAS_RES=has_res, UNIT_W=unit_w, **_tile(),
     )
+
+
+def _tile() -> dict:
+    """The kernel's compile-time tile (read at each call: benchmarks set the module's values)."""
+    return dict(BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, SHORT=MEAN_SHORT,
+                num_warps=NUM_WARPS)
+
+
+def compile_variants(
+    device: torch.device | str,
+    dtypes: Iterable[torch.dtype],
+    *,
+    ids_dtypes: Iterable[torch.dtype] = (torch.int32, torch.int64),
+    residual: Iterable[bool] = (False, True),
+) -> int:
+    """Compile, without launching, the variants :func:`warmup` launches with unit column stride
+    (activations of the ring's dtype); returns how many.
+
+    Only dtypes are passed (Triton's ``JITFunction.warmup``): no device memory, no stream work.
+    So this can run on a thread while vLLM compiles the model, and :func:`warmup` afterwards
+    finds every variant compiled and only loads it. A no-op (returns 0) off CUDA or without
+    Triton.
+    """
+    device = torch.device(device)
+    if not HAVE_TRITON or device.type != "cuda":
+        return 0
+    torch.cuda.set_device(device)  # Triton compiles for, and caches under, the current device
+    i32, f32 = torch.int32, torch.float32
+    compiled = 0
+    for dtype in dict.fromkeys(dtypes):
+        for ids_dtype in dict.fromkeys(ids_dtypes):
+            for has_res in residual:
+                capture_site_kernel.warmup(
+                    dtype, dtype, ids_dtype, i32, i32, i32, dtype, i32, f32, i32, i32,
+                    *[1] * len(_SIZE_ARGS),
+                    HAS_RES=has_res, UNIT_W=True, **_tile(), grid=(1, 1))
+                compiled += 1
+    return compiled
 
 
 def warmup(

@@ -338,7 +338,7 @@ class CaptureSession:
             "eager_capture_forwards": self.eager_capture_forwards(),
             # Capture nodes in captured graphs, and how many are switched off (idle sites).
             "graph_nodes": (None if gs is None or gs.nodes is None else gs.nodes.status()),
-            "startup_ms": dict(self.startup_ms),
+            "startup_ms": {**self.startup_ms, **({} if gs is None else gs.startup_ms)},
             "host_timers": {"steps": self._host_steps,
                             **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()},
                             "gc_ms": round((_gc_timer.seconds - self._gc_baseline) * 1e3, 3)},
@@ -489,6 +489,11 @@ class CaptureSession:
         device plans go off, so that its replays capture nothing."""
         if self.graph_state is not None:
             self.graph_state.switch_off()
+
+    def await_kernels(self) -> None:
+        """Before vLLM captures graphs: the capture kernels compiled and loaded."""
+        if self.graph_state is not None:
+            self.graph_state.await_kernels()
 
     def end_step(self) -> None:
         t0 = time.perf_counter()
