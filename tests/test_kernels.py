@@ -741,6 +741,42 @@ def test_dummy_buffers_for_unused_kind():
 
 def test_warmup_is_noop_off_cuda():
     assert K.warmup("cpu", [torch.bfloat16]) == 0
+    assert K.compile_variants("cpu", [torch.bfloat16]) == 0
+
+
+@needs_triton
+def test_compile_variants_compiles_what_the_engine_launches(monkeypatch):
+    """The compile thread passes dtypes where launches pass buffers: argument for argument it
+    must name the variant a real launch of an engine's site uses (its dtypes, residual or not,
+    unit column stride, the tile), or graph capture would compile it again."""
+    capture = sys.modules["vllm_capture.kernels.capture"]
+    calls = {"warmup": [], "launch": []}
+
+    class Recorder:
+        def warmup(self, *args, grid, **kwargs):
+            calls["warmup"].append((args, kwargs))
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls["launch"].append((args, kwargs))
+
+    monkeypatch.setattr(capture, "capture_site_kernel", Recorder())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert K.compile_variants("cuda", [torch.bfloat16], ids_dtypes=(torch.int64,)) == 2
+    g = torch.Generator().manual_seed(0)
+    b = make_bufs(g, cap=8, W=70, ring_rows=16, ring_dtype=torch.bfloat16, acc_slots=4)
+    x = make_x(g, 8, 70, torch.bfloat16, "sliced")  # a view with row stride, unit column stride
+    ids = make_ids(g, 8, torch.int64)
+    for res in (None, make_x(g, 8, 70, torch.bfloat16, "contig")):
+        K.launch_capture(x, res, ids, *(b[k] for k in BUFS), use_triton=True)
+    assert len(calls["launch"]) == 2
+    for (wargs, wkw), (largs, lkw) in zip(calls["warmup"], calls["launch"]):
+        assert wkw == lkw
+        assert len(wargs) == len(largs)
+        for w, a in zip(wargs, largs):
+            if isinstance(a, torch.Tensor):
+                assert w == a.dtype
+            else:
+                assert type(w) is type(a) is int
 
 
 def test_layout_constants():

@@ -322,6 +322,9 @@ def compile_variants(
     for dtype in dict.fromkeys(dtypes):
         for ids_dtype in dict.fromkeys(ids_dtypes):
             for has_res in residual:
+                # The buffers launch_capture passes, by dtype (x, residual, ids, meta, plan,
+                # site, ring, ring labels, acc, acc labels, acc count), then its size and stride
+                # arguments, none of which is specialised on its value.
                 capture_site_kernel.warmup(
                     dtype, dtype, ids_dtype, i32, i32, i32, dtype, i32, f32, i32, i32,
                     *[1] * len(_SIZE_ARGS),
