@@ -11,7 +11,8 @@ its first start is cold, its next start in the same order list is warm (what a u
 an engine sees). Each start runs in a fresh process and times ``LLM(...)`` until it returns, CUDA
 graphs and torch.compile on (vLLM's defaults). Prints one line per start (a capture start also
 gives what capture's own parts took: its install at model load, its kernels' compile thread,
-graph capture's wait for that thread, and the graph copies) and the capture/vanilla ratios last; writes ``startup.json`` into ``--out``.
+graph capture's wait for that thread, and the graph copies) and the capture/vanilla ratios last;
+writes ``startup.json`` into ``--out``.
 
 One start per case is within the host's noise (a cold vanilla start of the 1B shape took 53 to
 75 s across sessions), so ``--rounds N`` repeats the order N times, each round from new empty

@@ -236,16 +236,18 @@ class CaptureGraphState:
         """
         self.input_ids = input_ids
         if self.device.type == "cuda":
-            dtypes = sorted({s.dtype for s in self.sites.values()}, key=str)
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-capture-compile")
-            self._compiling = pool.submit(self._compile_kernels, dtypes, input_ids.dtype)
+            self._compiling = pool.submit(self._compile_kernels)
             pool.shutdown(wait=False)
 
-    def _compile_kernels(self, dtypes: list[torch.dtype], ids_dtype: torch.dtype) -> list:
+    @property
+    def site_dtypes(self) -> list[torch.dtype]:
+        return sorted({s.dtype for s in self.sites.values()}, key=str)
+
+    def _compile_kernels(self) -> None:
         started = time.perf_counter()
-        compile_variants(self.device, dtypes, ids_dtypes=(ids_dtype,))
+        compile_variants(self.device, self.site_dtypes, ids_dtypes=(self.input_ids.dtype,))
         self.startup_ms["kernel_compile"] = round((time.perf_counter() - started) * 1e3, 1)
-        return dtypes
 
     def await_kernels(self) -> None:
         """Before the first launch (graph capture, or an eager step): wait for the compile thread
@@ -255,7 +257,8 @@ class CaptureGraphState:
             return
         started = time.perf_counter()
         compiling, self._compiling = self._compiling, None
-        for dtype in compiling.result():
+        compiling.result()
+        for dtype in self.site_dtypes:  # one at a time: warmup crosses the dtypes it is given
             warmup(self.device, [dtype], ids_dtypes=(self.input_ids.dtype,))
         self.startup_ms["kernel_wait"] = round((time.perf_counter() - started) * 1e3, 1)
 
