@@ -237,9 +237,9 @@ def test_aggregate_medians():
 
 
 def test_aggregate_host_time_per_step():
-    reps = [{"gen_s": 1.0, "generated_tokens": 100, "host_steps": steps, "host_begin_step_ms": 30.0,
-             "host_end_step_ms": 10.0, "host_finish_requests_ms": 0.0, "host_harvest_ms": 50.0,
-             "host_harvest_sync_ms": 20.0}
+    reps = [{"gen_s": 1.0, "generated_tokens": 100, "host_steps": steps, "host_geometry_ms": 5.0,
+             "host_begin_step_ms": 25.0, "host_end_step_ms": 10.0, "host_finish_requests_ms": 0.0,
+             "host_harvest_ms": 50.0, "host_harvest_sync_ms": 20.0}
             for steps in (100, 50, 200)]
     a = R.aggregate(reps)
     assert a["host_ms_per_step"] == pytest.approx(0.4)  # median of 0.4, 0.8, 0.2

@@ -384,6 +384,32 @@ def test_last_and_mean_reductions(llm):
                     assert_close_rows(got, want, rtol=RTOL, atol=ATOL, what=what)
 
 
+def test_steady_decode_repeats_its_plan(llm):
+    """In a real engine, decode steps of the same requests repeat the last plan: the device keeps
+    it and the host copies nothing (a host-bound model pays every copy on its step)."""
+    prompts = _prompts(616, [6, 7, 8, 9])
+    max_tokens = 24
+    start_capture(llm, reduce="last")
+    try:
+        before = capture_status(llm)["host_timers"]
+        outs = llm.generate([tokens_prompt(p) for p in prompts],
+                            _sampling(max_tokens=max_tokens, ignore_eos=True,
+                                      skip_reading_prefix_cache=True), use_tqdm=False)
+        after = capture_status(llm)["host_timers"]
+        tensors, meta, _ = fetch_captured(llm)
+    finally:
+        stop_capture(llm)
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    steps = after["steps"] - before["steps"]
+    uploads = after["plan_uploads"] - before["plan_uploads"]
+    # Prefill and the first decode steps plan anew (the scheduler may admit the requests over
+    # two steps); so does the last, which vLLM reorders as requests finish. Every other
+    # step of the four requests repeats.
+    assert steps >= max_tokens, (steps, uploads)
+    assert 2 <= uploads <= 5, (steps, uploads)
+    assert all(t.shape[0] == len(prompts) for t in tensors.values())
+
+
 # ---- 7. layers, dtype, fetch by layer / request, layouts -----------------------------------------
 
 def test_layer_subset_and_dtype(llm):

@@ -16,6 +16,8 @@ ordered before step N+1's forward even under async scheduling.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from vllm_capture.selection import BatchGeometry
@@ -47,6 +49,15 @@ def _geometry(req_ids, query_start_loc, num_computed, num_rows_padded) -> BatchG
         # (async scheduling), so the host marks every row unknown.
         token_ids=np.full(int(qsl[-1]), -1, dtype=np.int32),
     )
+
+
+def _begin_step(session, req_ids, query_start_loc, num_computed, num_rows_padded) -> None:
+    """Open the step: its geometry read from the runner's host buffers, then the plan. Both are
+    on the step's path, so both are timed."""
+    t0 = time.perf_counter()
+    geometry = _geometry(req_ids, query_start_loc, num_computed, num_rows_padded)
+    session.add_host_time("geometry", time.perf_counter() - t0)
+    session.begin_step(geometry)
 
 
 # Runner methods that run forwards which are not steps (dummy, profile and capture runs). A step
@@ -88,8 +99,8 @@ def wrap_v1_runner(runner, session) -> None:
         tokens = kwargs.get("input_ids")
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
-        session.begin_step(_geometry(batch.req_ids[:n], runner.query_start_loc.np,
-                                     batch.num_computed_tokens_cpu, tokens.shape[0]))
+        _begin_step(session, batch.req_ids[:n], runner.query_start_loc.np,
+                    batch.num_computed_tokens_cpu, tokens.shape[0])
         try:
             return model_forward(*args, **kwargs)
         finally:
@@ -119,9 +130,8 @@ def wrap_v2_runner(runner, session) -> None:
     def capture_prepare_inputs(scheduler_output, *args, **kwargs):
         batch = prepare_inputs(scheduler_output, *args, **kwargs)
         if session.any_stream_enabled():
-            session.begin_step(_geometry(batch.req_ids, batch.query_start_loc_np,
-                                         batch.num_computed_tokens_np,
-                                         batch.num_tokens_after_padding))
+            _begin_step(session, batch.req_ids, batch.query_start_loc_np,
+                        batch.num_computed_tokens_np, batch.num_tokens_after_padding)
         return batch
 
     runner.execute_model = capture_execute_model

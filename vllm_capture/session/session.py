@@ -186,7 +186,8 @@ class CaptureSession:
         self._unsupported_requests: dict[str, str] = {}
         self._step_executions_baseline: int | None = None
         self._eager_forwards = 0
-        # Host time the step path spends in capture code (begin/end of a step, finished requests).
+        # Host time the step path spends in capture code (the runner wrapper reading the step's
+        # geometry, begin/end of a step, finished requests).
         # "harvest" is the harvest thread's (off the step path, but it shares the GIL), of which
         # "harvest_sync" waited for device-to-host copies to finish (a fetch storing reductions
         # itself adds its wait there too); "harvest_cpu" is the CPU time the thread spent in it
@@ -199,7 +200,8 @@ class CaptureSession:
         # the reply file, write_copy copied the rows, write_keep kept or let go of mappings and
         # write_release let go of the rows' sources, using release_cpu of CPU time
         # (shm.WRITE_PARTS).
-        self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0, "harvest": 0.0,
+        self._host_s = {"geometry": 0.0, "begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0,
+                        "harvest": 0.0,
                         "harvest_sync": 0.0, "harvest_cpu": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
                         "fetch_store": 0.0, "fetch_serialize": 0.0, "fetch_write": 0.0,
@@ -339,7 +341,10 @@ class CaptureSession:
             # Capture nodes in captured graphs, and how many are switched off (idle sites).
             "graph_nodes": (None if gs is None or gs.nodes is None else gs.nodes.status()),
             "startup_ms": {**self.startup_ms, **({} if gs is None else gs.startup_ms)},
+            # plan_uploads: host-to-device plan copies; steady decode repeats its plan and
+            # copies none, so far fewer than steps.
             "host_timers": {"steps": self._host_steps,
+                            "plan_uploads": 0 if gs is None else gs.plan_uploads,
                             **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()},
                             "gc_ms": round((_gc_timer.seconds - self._gc_baseline) * 1e3, 3)},
         }
