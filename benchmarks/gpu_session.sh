@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | reduction | replay | nodes | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -109,6 +109,13 @@ PY
     for e in ${3:-capture vanilla}; do
       timeout 280 python3 benchmarks/graph_replay.py --model ${2:-8b} --engine $e --out "$OUT" >"$OUT/replay_$e.log" 2>&1
       echo "replay $e rc=$? $(grep -E '^\{' "$OUT/replay_$e.log" | tail -1 | cut -c1-1500)"
+    done
+    ;;
+  step-host)
+    # Capture's step-path host time without an engine (seconds): on this host's CPU, with the
+    # plan buffers on the GPU and on the CPU.
+    for d in cuda cpu; do
+      timeout 120 python3 benchmarks/step_host.py --device $d 2>&1 | tee -a "$OUT/step_host.log" | grep -E "^\{"
     done
     ;;
   nodes)

@@ -1,5 +1,5 @@
 """The benchmark suite's pure parts (scenario data, planning, time budget, ratios, checks, files),
-and the engine-free fetch benchmark's row check."""
+the engine-free fetch benchmark's row check, and the engine-free step-path benchmark."""
 
 import json
 import re
@@ -414,3 +414,18 @@ def test_reduction_fetch_checks_the_rows_it_fetches():
     bench.step = wrong_step
     with pytest.raises(SystemExit, match="not the last step's rows"):
         bench.run(steps=1)
+
+
+def test_step_host_times_the_step_path_and_counts_plan_copies():
+    """benchmarks/step_host.py drives the step path as the runner wrappers do: a last-token stream
+    copies its plan once for the first decode step and never again; a row stream every step."""
+    from benchmarks import step_host
+
+    import torch
+
+    cpu = torch.device("cpu")
+    last = step_host.measure(layers=2, width=8, requests=4, steps=20, reduce="last", device=cpu)
+    assert last["plan_uploads"] == 1
+    assert last["geometry_us"] > 0 and last["begin_end_us"] > 0
+    rows = step_host.measure(layers=2, width=8, requests=4, steps=20, reduce="all", device=cpu)
+    assert rows["plan_uploads"] == 20
