@@ -201,8 +201,7 @@ class CaptureSession:
         # write_release let go of the rows' sources, using release_cpu of CPU time
         # (shm.WRITE_PARTS).
         self._host_s = {"geometry": 0.0, "begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0,
-                        "harvest": 0.0,
-                        "harvest_sync": 0.0, "harvest_cpu": 0.0,
+                        "harvest": 0.0, "harvest_sync": 0.0, "harvest_cpu": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
                         "fetch_store": 0.0, "fetch_serialize": 0.0, "fetch_write": 0.0,
                         **{f"fetch_write_{part}": 0.0 for part in WRITE_PARTS}}
