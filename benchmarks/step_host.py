@@ -4,9 +4,10 @@
 A ``CaptureGraphState`` with ``--layers`` hidden-state sites and a ``CaptureSession`` with one
 stream (``--reduce``: last, mean or all), driven as the runner wrappers drive them (the step's
 geometry from the runner's host buffers, ``begin_step``, ``end_step``): ``--requests`` requests
-prefill 32 tokens in one step, then decode ``--steps`` steps. No forward runs, so this is the host's part alone, uncontended: inside vLLM the same
-timers (``host_timers``: geometry, begin_step, end_step) also count the waits for the GIL that
-vLLM's own threads hold. On the H200 host they read 0.07-0.10 ms a step at 64 requests.
+prefill 32 tokens in one step, then decode ``--steps`` steps. No forward runs, so this is the
+host's part alone, uncontended: inside vLLM the same timers (``host_timers``: geometry,
+begin_step, end_step) also count the waits for the GIL that vLLM's own threads hold. On the H200
+host, ``begin_step`` alone read 0.07-0.10 ms a step at 64 requests (session 14).
 
     python3 benchmarks/step_host.py [--layers 16 --requests 64 --steps 2000 --device cuda]
 
