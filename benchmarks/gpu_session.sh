@@ -28,13 +28,16 @@ case "$SET" in
     compare llama_graph llama --against eager=/tmp/llama_eager.pt --against nograph=/tmp/llama_nograph.pt
     ;;
   verify)
-    # After a kernel or upload change: graph-mode rows of the tiny Llama against HF fp32 (what
-    # `dense` checks first, in a fifth of its time), and idle capture nodes switched off in a
-    # real CUDA graph (no engine).
+    # After a kernel, upload or step-path change: graph-mode rows of the tiny Llama against HF
+    # fp32 (what `dense` checks first, in a fifth of its time), on the V2 runner and then the V1
+    # runner, and idle capture nodes switched off in a real CUDA graph (no engine).
     timeout 120 python3 $G graph-nodes --report "$OUT/graph_nodes_report.json" >"$OUT/graph_nodes.log" 2>&1
     echo "graph-nodes rc=$? $(tail -1 "$OUT/graph_nodes.log" | cut -c1-400)"
     run llama_graph --model llama --mode graph
     compare llama_graph llama
+    # The same prompts through the V1 runner's wrapper: its rows must equal V2's bit for bit.
+    run llama_v1_graph --model llama --mode graph --v1
+    compare llama_v1_graph llama --against v2_graph=/tmp/llama_graph.pt
     ;;
   moe)
     # Qwen3-MoE and Mixtral run on the V1 runner; Qwen3-MoE's gate runs inside vLLM's fused-MoE op.

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from vllm_capture.api import join_shards  # noqa: E402
 from vllm_capture.capture_graph.state import CaptureGraphState  # noqa: E402
 from vllm_capture.engine.worker_ext import SESSION_ATTR, CaptureWorkerExtension  # noqa: E402
-from vllm_capture.selection import BatchGeometry  # noqa: E402
+from vllm_capture.selection import StepBuffers  # noqa: E402
 from vllm_capture.session import shm  # noqa: E402
 from vllm_capture.session.session import CaptureSession  # noqa: E402
 
@@ -71,13 +71,10 @@ class Bench:
         """One step of ``rows`` rows per request from position ``first``: the layers' outputs
         (x + residual, in fp32) of each request's last row."""
         n = len(req_ids) * rows
-        geometry = BatchGeometry(
-            req_ids=tuple(req_ids),
-            query_start_loc=np.arange(len(req_ids) + 1, dtype=np.int32) * rows,
-            num_computed=np.full(len(req_ids), first, dtype=np.int64),
-            num_rows_padded=n, token_ids=np.full(n, -1, dtype=np.int32))
+        step = StepBuffers(req_ids, np.arange(len(req_ids) + 1, dtype=np.int32) * rows,
+                           np.full(len(req_ids), first, dtype=np.int64), n)
         last = torch.empty(self.layers, len(req_ids), self.width, device=self.device)
-        self.session.begin_step(geometry)
+        self.session.begin_step(step)
         try:
             for layer, counter in enumerate(self.counters):
                 x = torch.randn(n, self.width, device=self.device).to(self.dtype)

@@ -77,8 +77,7 @@ def aggregate(reps: list[dict]) -> dict:
         "eager_forwards": _median(per_rep(lambda r: r.get("eager_forwards"))),
         # Capture's host time per step on the step path, and on the harvest thread (rank 0).
         "host_ms_per_step": _median(per_rep(lambda r: _per_step(
-            r, "host_geometry_ms", "host_begin_step_ms", "host_end_step_ms",
-            "host_finish_requests_ms"))),
+            r, "host_begin_step_ms", "host_end_step_ms", "host_finish_requests_ms"))),
         "harvest_ms_per_step": _median(per_rep(lambda r: _per_step(r, "host_harvest_ms"))),
         # Of the harvest thread's time, what it spent waiting for device-to-host copies.
         "harvest_sync_ms_per_step": _median(per_rep(lambda r: _per_step(r, "host_harvest_sync_ms"))),

@@ -2,16 +2,17 @@
 """Capture's host time on the step path, without an engine: what a decode step costs the host.
 
 A ``CaptureGraphState`` with ``--layers`` hidden-state sites and a ``CaptureSession`` with one
-stream (``--reduce``: last, mean or all), driven as the runner wrappers drive them (the step's
-geometry from the runner's host buffers, ``begin_step``, ``end_step``): ``--requests`` requests
-prefill 32 tokens in one step, then decode ``--steps`` steps. No forward runs, so this is the
-host's part alone, uncontended: inside vLLM the same timers (``host_timers``: geometry,
-begin_step, end_step) also count the waits for the GIL that vLLM's own threads hold. On the H200
-host, ``begin_step`` alone read 0.07-0.10 ms a step at 64 requests (session 14).
+stream (``--reduce``: last, mean or all), driven as the runner wrappers drive them
+(``begin_step`` with the runner's host buffers as ``StepBuffers``, then ``end_step``):
+``--requests`` requests prefill 32 tokens in one step, then decode ``--steps`` steps. No forward
+runs, so this is the host's part alone, in a hot loop: inside vLLM the same timers
+(``host_timers``: begin_step, end_step) read 3-4 times more, between vLLM's own work. On the H200
+host, session 15 read 48 us of geometry and 63 us of ``begin_step`` a step at 64 requests inside
+vLLM, against 13 and 20 us here, before steady decode skipped the geometry.
 
     python3 benchmarks/step_host.py [--layers 16 --requests 64 --steps 2000 --device cuda]
 
-Prints one JSON line: microseconds per decode step (medians) for the geometry and for
+Prints one JSON line: microseconds per decode step (median and 90th percentile) for
 begin + end, and the plan copies the decode steps made (for last and mean, one: the first decode
 step's; steady decode makes none).
 """
@@ -34,7 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_capture.capture_graph.state import CaptureGraphState  # noqa: E402
-from vllm_capture.engine import runners  # noqa: E402
+from vllm_capture.selection import StepBuffers  # noqa: E402
 from vllm_capture.session.session import CaptureSession  # noqa: E402
 
 HS = "hidden_states"
@@ -56,34 +57,29 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
     params = types.SimpleNamespace(extra_args={}, n=1)
     for r in req_ids:
         session.add_request(r, list(range(PROMPT)), params, 0)
-    # The runner's buffers are longer than the batch (max_num_seqs + 1 start offsets).
+    # The runner's buffers are longer than the batch (max_num_seqs + 1 start offsets), int32.
     spare = np.zeros(8, dtype=np.int32)
     prefill = np.concatenate([np.arange(requests + 1, dtype=np.int32) * PROMPT, spare])
     decode = np.concatenate([np.arange(requests + 1, dtype=np.int32), spare])
-    geometry_us, step_us = [], []
+    computed = np.zeros(requests + 8, dtype=np.int32)
+    step_us = []
 
     def step(query_start_loc, position: int, rows: int) -> None:
-        computed = np.full(requests + 8, position, dtype=np.int64)
+        computed[:] = position
         t0 = time.perf_counter()
-        geometry = runners._geometry(req_ids, query_start_loc, computed, rows)
-        t1 = time.perf_counter()
-        session.begin_step(geometry)
+        session.begin_step(StepBuffers(req_ids, query_start_loc, computed, rows))
         session.end_step()
-        t2 = time.perf_counter()
-        geometry_us.append((t1 - t0) * 1e6)
-        step_us.append((t2 - t1) * 1e6)
+        step_us.append((time.perf_counter() - t0) * 1e6)
 
     step(prefill, 0, capacity)
     uploads = state.plan_uploads
-    geometry_us.clear()
     step_us.clear()
     for k in range(steps):
         step(decode, PROMPT + k, requests)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"device": device.type, "layers": layers, "requests": requests, "reduce": reduce,
-            "steps": steps, "geometry_us": round(statistics.median(geometry_us), 2),
-            "begin_end_us": round(statistics.median(step_us), 2),
+            "steps": steps, "begin_end_us": round(statistics.median(step_us), 2),
             "begin_end_us_p90": round(float(np.percentile(step_us, 90)), 2),
             "plan_uploads": state.plan_uploads - uploads}
 

@@ -237,8 +237,8 @@ def test_aggregate_medians():
 
 
 def test_aggregate_host_time_per_step():
-    reps = [{"gen_s": 1.0, "generated_tokens": 100, "host_steps": steps, "host_geometry_ms": 5.0,
-             "host_begin_step_ms": 25.0, "host_end_step_ms": 10.0, "host_finish_requests_ms": 0.0,
+    reps = [{"gen_s": 1.0, "generated_tokens": 100, "host_steps": steps,
+             "host_begin_step_ms": 30.0, "host_end_step_ms": 10.0, "host_finish_requests_ms": 0.0,
              "host_harvest_ms": 50.0, "host_harvest_sync_ms": 20.0}
             for steps in (100, 50, 200)]
     a = R.aggregate(reps)
@@ -426,6 +426,6 @@ def test_step_host_times_the_step_path_and_counts_plan_copies():
     cpu = torch.device("cpu")
     last = step_host.measure(layers=2, width=8, requests=4, steps=20, reduce="last", device=cpu)
     assert last["plan_uploads"] == 1
-    assert last["geometry_us"] > 0 and last["begin_end_us"] > 0
+    assert last["begin_end_us"] > 0
     rows = step_host.measure(layers=2, width=8, requests=4, steps=20, reduce="all", device=cpu)
     assert rows["plan_uploads"] == 20

@@ -3,7 +3,7 @@ reference written from the SelectSpec definition (not from the planner's code)."
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ from vllm_capture.selection import (
     DecodeRepeat,
     RequestTrack,
     SelectSpec,
+    StepBuffers,
     TokenCondition,
     plan_rows,
     plan_segments,
@@ -555,7 +556,7 @@ def test_decode_repeats_plan_what_full_planning_plans(seed):
             for kind in full:
                 full[kind].pop(gone, None)
                 fast[kind].pop(gone, None)
-                repeat[kind] = None  # as the session does when tracks change
+                repeat[kind] = None  # as the session does when tracks change (settled each step here)
         order = sorted(computed)
         if rng.random() < 0.05:
             rng.shuffle(order)
@@ -568,14 +569,26 @@ def test_decode_repeats_plan_what_full_planning_plans(seed):
             tracks = full[kind]
             expect = (plan_rows(geo, full[kind], row_limit=1 << 20) if kind == "rows"
                       else plan_segments(geo, full[kind], slots))
-            got = None if repeat[kind] is None else repeat[kind].plan_for(geo)
-            if got is None:
+            # The runner's buffers: longer than the step, int32, as vLLM's are.
+            buffers = StepBuffers(list(geo.req_ids),
+                                  np.concatenate([geo.query_start_loc, [7, 7]]).astype(np.int32),
+                                  np.concatenate([geo.num_computed, [3]]).astype(np.int32),
+                                  geo.num_rows_padded)
+            positions = None if repeat[kind] is None else repeat[kind].advance(buffers)
+            if positions is None:
+                if repeat[kind] is not None:
+                    repeat[kind].settle()
                 got = (plan_rows(geo, fast[kind], row_limit=1 << 20) if kind == "rows"
                        else plan_segments(geo, fast[kind], slots))
                 repeat[kind] = DecodeRepeat.after(geo, fast[kind], got)
             else:
                 repeats += 1
+                got = repeat[kind].plan
+                got = (replace(got, positions=positions) if kind == "rows"
+                       else replace(got, last_position=repeat[kind].last_positions()))
             assert _plan_fields(got) == _plan_fields(expect), (step, kind)
+            if repeat[kind] is not None:
+                repeat[kind].settle()
             assert {r: t.next_position for r, t in fast[kind].items()} == {
                 r: t.next_position for r, t in tracks.items()}
         for rid in order:
@@ -589,11 +602,20 @@ def test_decode_repeat_requires_one_planned_row_per_request():
     plan = plan_rows(geo, tracks, row_limit=8)
     repeat = DecodeRepeat.after(geo, tracks, plan)
     assert repeat is not None
-    assert repeat.plan_for(geometry({"a": 1, "b": 1}, num_computed=[4, 7])) is None  # no progress
-    assert repeat.plan_for(geometry({"b": 1, "a": 1}, num_computed=[8, 5])) is None  # reordered
-    again = repeat.plan_for(geometry({"a": 1, "b": 1}, num_computed=[5, 8]))
-    assert again.positions.tolist() == [5, 8] and again.rows.tolist() == [0, 1]
+    assert repeat.advance(geometry({"a": 1, "b": 1}, num_computed=[4, 7])) is None  # no progress
+    assert repeat.advance(geometry({"b": 1, "a": 1}, num_computed=[8, 5])) is None  # reordered
+    assert repeat.advance(geometry({"a": 2, "b": 0}, num_computed=[5, 8])) is None  # 2 rows, 0 rows
+    assert repeat.advance(geometry({"a": 1}, num_computed=[5])) is None  # one left
+    # The runner's own buffers: views of longer int32 arrays, read without a copy.
+    qsl, computed = np.array([0, 1, 2, 9], np.int32), np.array([5, 8, 1], np.int32)
+    again = repeat.advance(StepBuffers(["a", "b"], qsl, computed, 2))
+    assert again.tolist() == [5, 8] and np.shares_memory(again, computed)
+    assert tracks["a"].next_position == 5  # moved on in the repeat only, until it settles
+    repeat.settle()
     assert tracks["a"].next_position == 6 and tracks["b"].next_position == 9
+    assert repeat.last_positions().tolist() == [5, 8]
+    assert repeat.advance(StepBuffers(["a", "b"], qsl, np.array([6, 9], np.int32), 1)) is None
+    assert repeat.advance(StepBuffers(["a", "b"], qsl, np.array([6, 9], np.int64), 2)) is not None
     # Not repeatable: a cut plan, a two-row request, an untracked request, a clause.
     assert DecodeRepeat.after(geo, tracks, plan_rows(geo, tracks, row_limit=1)) is None
     two = geometry({"a": 2, "b": 1}, num_computed=[6, 9])

@@ -5,7 +5,7 @@ sites of width 6, fp16, column-strided views) runs inside a simulated scheduler:
 decode, joins and leaves, preemption (recompute of prompt + generated tokens), prefix-cache hits,
 padding rows and dummy requests. Each step goes through the real ``CaptureSession`` and
 ``CaptureGraphState`` exactly as the runner wrappers drive them (``add_request`` /
-``finish_requests`` before the step, ``begin_step(geometry)`` with every host token id -1 as the
+``finish_requests`` before the step, ``begin_step(StepBuffers(...))`` with every host token id -1 as the
 engine builds it, one ``state.handle`` per site, ``end_step``), and what ``fetch_stream`` returns is
 compared with a brute-force reference written here from the SelectSpec definition (the planner is
 not used for the reference).
@@ -38,7 +38,7 @@ from tests.select_reference import selected as reference_selected
 from tests.test_selection_spec import select_specs
 from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.kernels import layout as L
-from vllm_capture.selection import BatchGeometry, SelectSpec
+from vllm_capture.selection import SelectSpec, StepBuffers
 from vllm_capture.session.session import HARVEST_IDLE_S, CaptureSession
 from vllm_capture.session.wire import deserialize_captured
 
@@ -221,8 +221,8 @@ class Engine:
                     if self.host_tokens_rng is not None and self.host_tokens_rng.random() < 0.5:
                         tokens[e.row_start + k] = e.req.seq[q]  # a host that knows the token
         self.input_ids.copy_(torch.from_numpy(ids).to(self.input_ids.dtype))
-        geometry = BatchGeometry(
-            req_ids=tuple(e.rid for e in entries),
+        step = StepBuffers(
+            req_ids=[e.rid for e in entries],
             query_start_loc=qsl,
             num_computed=np.array([e.first for e in entries], dtype=np.int64),
             num_rows_padded=padded,
@@ -231,7 +231,7 @@ class Engine:
         for ref in self.refs:
             ref.on_step(self.step_no, entries)
         if self.session.any_stream_enabled():  # as the runner wrapper does
-            self.session.begin_step(geometry)
+            self.session.begin_step(step)
             try:
                 self.forward(entries, padded)
             finally:
@@ -1137,9 +1137,8 @@ def test_a_request_without_prompt_token_ids_does_not_break_the_step():
     engine.session.add_request("emb-00000000", None)
     ok = Req(num=1, prompt=[1, 2], gen=[])
     engine.observe([(ok, 2)])
-    geometry = BatchGeometry(("emb-00000000", ok.rid), np.array([0, 2, 4], np.int32),
-                             np.zeros(2, np.int64), 4, np.full(4, -1, np.int32))
-    engine.session.begin_step(geometry)
+    engine.session.begin_step(StepBuffers(("emb-00000000", ok.rid), np.array([0, 2, 4], np.int32),
+                                          np.zeros(2, np.int64), 4))
     engine.session.end_step()
 
 
@@ -1338,7 +1337,7 @@ def test_an_interpreter_exit_with_rows_in_flight_is_clean(tmp_path):
         import numpy as np
         import torch
         from vllm_capture.capture_graph.state import CaptureGraphState
-        from vllm_capture.selection import BatchGeometry
+        from vllm_capture.selection import StepBuffers
         from vllm_capture.session.session import HARVEST_IDLE_S, CaptureSession
 
         state = CaptureGraphState(device=torch.device("cpu"), capacity=4096, acc_slots=64)
@@ -1355,8 +1354,7 @@ def test_an_interpreter_exit_with_rows_in_flight_is_clean(tmp_path):
             prefill = step == 0
             qsl = np.arange(65, dtype=np.int32) * (32 if prefill else 1)
             computed = np.full(64, 0 if prefill else 31 + step, dtype=np.int64)
-            session.begin_step(BatchGeometry(tuple(ids), qsl, computed, int(qsl[-1]),
-                                             np.full(int(qsl[-1]), -1, dtype=np.int32)))
+            session.begin_step(StepBuffers(ids, qsl, computed, int(qsl[-1])))
             session.end_step()
         """))
     root = __import__("pathlib").Path(__file__).resolve().parent.parent
@@ -1533,6 +1531,34 @@ def test_a_step_repeating_the_last_plan_uploads_nothing(reduce):
     steps = np.diff(uploads).tolist()
     assert len(steps) == 4
     assert steps == ([1, 1, 1, 1] if reduce == "all" else [1, 0, 0, 0])
+    engine.step([])
+    rows = decode_rows(*engine.fetch(HS))
+    if reduce == "all":
+        check_rows(ref, rows, ref.expected_rows([a.rid, b.rid]))
+    else:
+        check_reduced(ref, rows, [a.rid, b.rid])
+
+
+@pytest.mark.parametrize("reduce", ["all", "mean"])
+def test_a_request_preempted_after_repeated_steps_is_not_captured_twice(reduce):
+    """Repeated decode steps move the requests' high-water marks on inside the repeat only; a
+    request preempted after them and recomputed from its start must still find its mark, so that
+    no recomputed position is captured (or reduced into its mean) a second time."""
+    engine = Engine(acc_slots=3)
+    ref = RefStream(HS, 3, reduce=reduce)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce=reduce)
+    a, b = Req(num=0, prompt=[1, 2], gen=[3, 1, 2, 4, 5]), Req(num=1, prompt=[4, 4], gen=[1, 2, 3, 0, 1])
+    engine.step([(a, 2), (b, 2)])
+    for _ in range(3):
+        engine.step([(a, 1), (b, 1)])
+    uploads = engine.state.plan_uploads
+    engine.step([(a, 1), (b, 1)])
+    assert engine.state.plan_uploads == uploads + (reduce == "all")  # a repeat: nothing planned
+    engine.preempt(a)
+    engine.step([(b, 1), (a, a.known)])
+    while not a.done or not b.done:
+        engine.step([(r, 1) for r in (a, b) if not r.done])
     engine.step([])
     rows = decode_rows(*engine.fetch(HS))
     if reduce == "all":

@@ -124,6 +124,36 @@ def run(args) -> None:
             "graph_replays": status["graph_replays"],
         }
         api.stop_capture(llm, s)
+    # Reductions of the same prompts: decode steps repeat the last step's plan (no planning, no
+    # upload), so "last" must give each request's last row of the all-row run bit for bit, and
+    # "mean" the mean of its rows.
+    result["reduced"] = {}
+    for s in streams:
+        full = result["streams"][s]
+        offsets = full["offsets"]
+        result["reduced"][s] = {}
+        for reduce in ("last", "mean"):
+            api.start_capture(llm, s, reduce=reduce)
+            timers = api.capture_status(llm, s)["host_timers"]
+            again = llm.generate(prompts, params, use_tqdm=False)
+            after = api.capture_status(llm, s)["host_timers"]
+            tensors, meta, _ = api.fetch_captured(llm, s)
+            grouped, _, _ = api.group_rows(tensors, meta, [o.request_id for o in again])
+            worst_abs, worst_rel = 0.0, 0.0
+            for layer, rows in grouped.items():
+                ref = full["layers"][layer]
+                want = torch.stack([ref[b - 1] if reduce == "last" else ref[a:b].mean(0)
+                                    for a, b in zip(offsets[:-1], offsets[1:])])
+                err = (rows.float() - want).abs()
+                worst_abs = max(worst_abs, float(err.max()))
+                worst_rel = max(worst_rel, float((err.max(dim=1).values
+                                                  / want.abs().max(dim=1).values.clamp(min=1e-6)).max()))
+            result["reduced"][s][reduce] = {
+                "layers": len(grouped), "rows_per_layer": sorted({len(v) for v in grouped.values()}),
+                "max_abs_diff": worst_abs, "max_rel_rownorm": worst_rel,
+                "steps": after["steps"] - timers["steps"],
+                "plan_uploads": after["plan_uploads"] - timers["plan_uploads"]}
+            api.stop_capture(llm, s)
     result["graph_nodes_idle"] = api.capture_status(llm, streams[0])["graph_nodes"]
     # Throughput: idle-installed and last-token capture on the same engine.
     llm.generate(prompts, params, use_tqdm=False)

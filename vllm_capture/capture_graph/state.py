@@ -140,6 +140,11 @@ class CaptureGraphState:
     _copy_stream: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __post_init__(self):
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            # The kernels compile on a thread, whose current device is not the caller's.
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
     # ---- set-up (model load time) -------------------------------------------------------------
 
     def add_site(self, component: str, layer_id: int, layer_name: str, width: int,
@@ -322,6 +327,11 @@ class CaptureGraphState:
             else:
                 still.append(copy)
         buf.copies = still
+
+    def holds_plan(self, component: str) -> bool:
+        """Whether the device still holds the last plan written for ``component`` (no forward
+        that was not a step has switched it off since)."""
+        return self.streams[component].on_device is not None
 
     def upload_segments(self, component: str, mode: int, row_start: np.ndarray,
                         row_count: np.ndarray, slots: np.ndarray, req_index: np.ndarray) -> None:

@@ -1,4 +1,4 @@
-"""Per-step wrappers: turn each runner's batch into a BatchGeometry and bracket the forward.
+"""Per-step wrappers: hand each runner's batch to the session as StepBuffers; bracket the forward.
 
 The only vLLM-version-specific knowledge of the step lives here. Both wrappers run on the worker
 thread, in step order; everything they enqueue goes to the current stream, so step N's drain is
@@ -16,11 +16,7 @@ ordered before step N+1's forward even under async scheduling.
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
-
-from vllm_capture.selection import BatchGeometry
+from vllm_capture.selection import StepBuffers
 
 # Synthetic requests that vLLM pushes through real steps while it warms up.
 _WARMUP_PREFIXES = ("_warmup_", "_v2_mixed_warmup", "_dummy_req_")
@@ -35,29 +31,6 @@ def observe_scheduler_output(session, scheduler_output) -> None:
             continue
         session.add_request(new.req_id, new.prompt_token_ids, new.sampling_params,
                             new.num_computed_tokens)
-
-
-def _geometry(req_ids, query_start_loc, num_computed, num_rows_padded) -> BatchGeometry:
-    n = len(req_ids)
-    qsl = np.asarray(query_start_loc[: n + 1], dtype=np.int32).copy()
-    return BatchGeometry(
-        req_ids=tuple(req_ids),
-        query_start_loc=qsl,
-        num_computed=np.asarray(num_computed[:n], dtype=np.int64).copy(),
-        num_rows_padded=int(num_rows_padded),
-        # Prompt tokens come from the request; generated ones are on the device only
-        # (async scheduling), so the host marks every row unknown.
-        token_ids=np.full(int(qsl[-1]), -1, dtype=np.int32),
-    )
-
-
-def _begin_step(session, req_ids, query_start_loc, num_computed, num_rows_padded) -> None:
-    """Open the step: its geometry read from the runner's host buffers, then the plan. Both are
-    on the step's path, so both are timed."""
-    t0 = time.perf_counter()
-    geometry = _geometry(req_ids, query_start_loc, num_computed, num_rows_padded)
-    session.add_host_time("geometry", time.perf_counter() - t0)
-    session.begin_step(geometry)
 
 
 # Runner methods that run forwards which are not steps (dummy, profile and capture runs). A step
@@ -99,8 +72,8 @@ def wrap_v1_runner(runner, session) -> None:
         tokens = kwargs.get("input_ids")
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
-        _begin_step(session, batch.req_ids[:n], runner.query_start_loc.np,
-                    batch.num_computed_tokens_cpu, tokens.shape[0])
+        session.begin_step(StepBuffers(batch.req_ids[:n], runner.query_start_loc.np,
+                                       batch.num_computed_tokens_cpu, tokens.shape[0]))
         try:
             return model_forward(*args, **kwargs)
         finally:
@@ -130,8 +103,9 @@ def wrap_v2_runner(runner, session) -> None:
     def capture_prepare_inputs(scheduler_output, *args, **kwargs):
         batch = prepare_inputs(scheduler_output, *args, **kwargs)
         if session.any_stream_enabled():
-            _begin_step(session, batch.req_ids, batch.query_start_loc_np,
-                        batch.num_computed_tokens_np, batch.num_tokens_after_padding)
+            session.begin_step(StepBuffers(batch.req_ids, batch.query_start_loc_np,
+                                           batch.num_computed_tokens_np,
+                                           batch.num_tokens_after_padding))
         return batch
 
     runner.execute_model = capture_execute_model

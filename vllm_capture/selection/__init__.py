@@ -1,6 +1,6 @@
 """Row selection: the SelectSpec where-clause and the per-step row planner (numpy + stdlib only)."""
 
-from .geometry import BatchGeometry
+from .geometry import BatchGeometry, StepBuffers
 from .planner import (
     DecodeRepeat,
     RequestTrack,
@@ -22,6 +22,7 @@ __all__ = [
     "RowPlan",
     "SegmentPlan",
     "SelectSpec",
+    "StepBuffers",
     "TokenCondition",
     "plan_rows",
     "plan_segments",

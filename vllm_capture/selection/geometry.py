@@ -1,8 +1,10 @@
-"""BatchGeometry: the host-side shape of one model step, as the planner sees it.
+"""The host-side shape of one model step: as the runner holds it, and as the planner sees it.
 
-The engine glue builds one per real step from the runner's host buffers; the planner derives every
-row's request and absolute position from it. A malformed geometry would silently mislabel rows,
-so it is checked on construction and raises ValueError naming the bad field.
+The engine glue wraps each real step's runner host buffers in a ``StepBuffers`` (views, nothing
+copied or checked: a steady decode step that repeats the last one is recognised from them alone,
+``DecodeRepeat.advance``). Any other step is planned from its ``BatchGeometry``, from which the
+planner derives every row's request and absolute position. A malformed geometry would silently
+mislabel rows, so it is checked on construction and raises ValueError naming the bad field.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BatchGeometry"]
+__all__ = ["BatchGeometry", "StepBuffers"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,3 +78,36 @@ def _array(name: str, value, dtype, length: int) -> np.ndarray:
         )
         raise ValueError(f"BatchGeometry.{name}: expected {np.dtype(dtype)}[{length}], got {got}")
     return value
+
+
+class StepBuffers:
+    """One step as the runner's host buffers hold it: views of their first ``len(req_ids)``
+    requests, in the runner's dtypes, unchecked, valid until the runner's next step.
+
+    ``token_ids`` (the host's token of each row, -1 unknown) is None where the host knows none:
+    under async scheduling generated tokens exist on the device only.
+    """
+
+    __slots__ = ("req_ids", "query_start_loc", "num_computed", "num_rows_padded", "token_ids")
+
+    def __init__(self, req_ids, query_start_loc: np.ndarray, num_computed: np.ndarray,
+                 num_rows_padded: int, token_ids: np.ndarray | None = None):
+        self.req_ids = tuple(req_ids)
+        n = len(self.req_ids)
+        self.query_start_loc = query_start_loc[: n + 1]
+        self.num_computed = num_computed[:n]
+        self.num_rows_padded = num_rows_padded
+        self.token_ids = token_ids
+
+    def geometry(self) -> BatchGeometry:
+        """The checked geometry, its arrays copied out of the runner's buffers."""
+        qsl = np.asarray(self.query_start_loc, dtype=np.int32).copy()
+        tokens = self.token_ids
+        return BatchGeometry(
+            req_ids=self.req_ids,
+            query_start_loc=qsl,
+            num_computed=np.asarray(self.num_computed, dtype=np.int64).copy(),
+            num_rows_padded=int(self.num_rows_padded),
+            token_ids=(np.full(int(qsl[-1]), -1, dtype=np.int32) if tokens is None
+                       else np.asarray(tokens, dtype=np.int32).copy()),
+        )

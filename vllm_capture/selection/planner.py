@@ -13,7 +13,7 @@ never duplicate or mislabel rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
 
@@ -354,15 +354,20 @@ def plan_segments(
 class DecodeRepeat:
     """A planned step of one new row per request, every request tracked and without a clause.
 
-    The next step repeats it when it holds the same requests in the same order, each one position
-    further (steady decode, the most common step): its plan is this one with the positions moved
-    on, so :meth:`plan_for` skips planning and only advances the tracks.
+    The next step repeats it when it holds the same requests in the same order, each one row and
+    one position further (steady decode, the most common step). ``advance`` recognises such a step
+    from the runner's buffers alone, so nothing is planned and no geometry is built: the plan is
+    this one with the step's positions. The tracks move on only in ``next_computed`` meanwhile;
+    ``settle`` writes them back, and must run before anything else reads them.
     """
 
     req_ids: tuple[str, ...]
     tracks: list[RequestTrack]
     plan: RowPlan | SegmentPlan
-    next_computed: np.ndarray  # int64: each request's first position in a repeat
+    # Each request's position in the next repeat; it takes the dtype of the runner's buffer, so
+    # that a repeat compares bytes.
+    next_computed: np.ndarray
+    _one_row_each: np.ndarray | None = None  # the query_start_loc of a repeat
 
     @classmethod
     def after(cls, geometry: BatchGeometry, tracks: dict[str, RequestTrack],
@@ -386,17 +391,31 @@ class DecodeRepeat:
             return None
         return cls(geometry.req_ids, found, plan, next_computed)
 
-    def plan_for(self, geometry: BatchGeometry) -> RowPlan | SegmentPlan | None:
-        """This step's plan if it repeats the last one (and advance the tracks), else None."""
-        if (geometry.req_ids != self.req_ids or geometry.num_rows != len(self.req_ids)
-                or not np.array_equal(geometry.num_computed, self.next_computed)):
+    def advance(self, step) -> np.ndarray | None:
+        """This step's positions if it repeats the last one (a ``StepBuffers`` or a
+        ``BatchGeometry``; the positions are its ``num_computed``, not a copy), and the repeat
+        moves on a position. None: the step must be planned (after ``settle``)."""
+        n = len(self.req_ids)
+        if step.req_ids != self.req_ids or step.num_rows_padded < n:
             return None
-        positions = geometry.num_computed.astype(np.int32)
-        if isinstance(self.plan, RowPlan):
-            self.plan = replace(self.plan, positions=positions)
-        else:
-            self.plan = replace(self.plan, last_position=positions)
-        self.next_computed = geometry.num_computed + 1
+        qsl, computed = step.query_start_loc, step.num_computed
+        expect = self.next_computed
+        if expect.dtype != computed.dtype:
+            expect = self.next_computed = expect.astype(computed.dtype)
+        one_row_each = self._one_row_each
+        if one_row_each is None or one_row_each.dtype != qsl.dtype:
+            one_row_each = self._one_row_each = np.arange(n + 1, dtype=qsl.dtype)
+        # Byte compares: a tenth of np.array_equal's time, and this runs on every decode step.
+        if computed.tobytes() != expect.tobytes() or qsl.tobytes() != one_row_each.tobytes():
+            return None
+        np.add(expect, 1, out=expect)
+        return computed
+
+    def settle(self) -> None:
+        """Write the positions the repeats reached back into the tracks."""
         for track, end in zip(self.tracks, self.next_computed.tolist()):
             track.next_position = end
-        return self.plan
+
+    def last_positions(self) -> np.ndarray:
+        """Each request's last position planned or repeated (int64, in ``req_ids`` order)."""
+        return self.next_computed.astype(np.int64) - 1

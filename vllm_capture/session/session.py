@@ -1,7 +1,7 @@
 """CaptureSession: one worker's streams, requests and step lifecycle.
 
 The engine glue calls, per real step: ``observe_scheduler_output`` (requests that joined, finished
-or were preempted), ``begin_step(geometry)`` (plan every enabled stream and upload the plans), the
+or were preempted), ``begin_step(step)`` (plan every enabled stream and upload the plans), the
 model forward (the op writes rows on the device), then ``end_step()``. Rows of many steps gather in
 the device ring and leave it in one drain (``CaptureGraphState.drain_due``; also before the ring
 wraps and before anything reads a store: fetch, status, clear, stop). Drained rows reach the stores
@@ -32,6 +32,7 @@ from vllm_capture.selection import (
     DecodeRepeat,
     RequestTrack,
     SelectSpec,
+    StepBuffers,
     plan_rows,
     plan_segments,
 )
@@ -186,8 +187,8 @@ class CaptureSession:
         self._unsupported_requests: dict[str, str] = {}
         self._step_executions_baseline: int | None = None
         self._eager_forwards = 0
-        # Host time the step path spends in capture code (the runner wrapper reading the step's
-        # geometry, begin/end of a step, finished requests).
+        # Host time the step path spends in capture code (begin/end of a step, finished
+        # requests).
         # "harvest" is the harvest thread's (off the step path, but it shares the GIL), of which
         # "harvest_sync" waited for device-to-host copies to finish (a fetch storing reductions
         # itself adds its wait there too); "harvest_cpu" is the CPU time the thread spent in it
@@ -200,7 +201,7 @@ class CaptureSession:
         # the reply file, write_copy copied the rows, write_keep kept or let go of mappings and
         # write_release let go of the rows' sources, using release_cpu of CPU time
         # (shm.WRITE_PARTS).
-        self._host_s = {"geometry": 0.0, "begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0,
+        self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0,
                         "harvest": 0.0, "harvest_sync": 0.0, "harvest_cpu": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
                         "fetch_store": 0.0, "fetch_serialize": 0.0, "fetch_write": 0.0,
@@ -424,7 +425,7 @@ class CaptureSession:
             finished = [r for r in dict.fromkeys(req_ids) if r in st.tracks or r in st.closed]
             if not finished:
                 continue
-            st.repeat = None
+            self._drop_repeat(st)
             for req_id in finished:
                 st.tracks.pop(req_id, None)
                 st.closed.discard(req_id)
@@ -452,41 +453,62 @@ class CaptureSession:
 
     # ---- per step -------------------------------------------------------------------------------
 
-    def begin_step(self, geometry: BatchGeometry) -> None:
+    def begin_step(self, step: StepBuffers) -> None:
         t0 = time.perf_counter()
         try:
-            self._begin_step(geometry)
+            self._begin_step(step)
         finally:
             self._host_s["begin_step"] += time.perf_counter() - t0
             self._host_steps += 1
 
-    def _begin_step(self, geometry: BatchGeometry) -> None:
+    def _begin_step(self, step: StepBuffers) -> None:
         gs = self.graph_state
         if self._step_executions_baseline is None:
             site = self._reference_site()
             self._step_executions_baseline = (
                 0 if site is None else int(site.counter[L.SITE_EXECUTIONS].item()) - site.eager_executions)
+        geometry = None  # built (and checked) only for a step that is planned
         for st in self._active_streams():
-            plan = None if st.repeat is None else st.repeat.plan_for(geometry)
-            if plan is None:
+            repeat = st.repeat
+            positions = None if repeat is None else repeat.advance(step)
+            if positions is None:
+                self._drop_repeat(st)
+                if geometry is None:
+                    geometry = step.geometry()
                 self._open_tracks(st, geometry)
                 plan = (plan_rows(geometry, st.tracks, gs.capacity) if st.config.reduce == "all"
                         else plan_segments(geometry, st.tracks, st.slots))
                 st.repeat = DecodeRepeat.after(geometry, st.tracks, plan)
+            else:
+                plan = repeat.plan
             if st.config.reduce == "all":
                 if plan.dropped:
                     st.store.count_dropped(plan.dropped)
                 if not gs.fits(st.component, len(plan.rows)):
                     self._drain(st)
-                gs.upload_rows(st.component, plan.rows, plan.req_index, plan.positions)
+                gs.upload_rows(st.component, plan.rows, plan.req_index,
+                               plan.positions if positions is None else positions)
                 st.pending_conditions.append(
                     (plan.condition if plan.conditions else None, plan.conditions, len(plan.rows)))
-            else:
-                st.slot_last_position[plan.slot] = plan.last_position
+            elif positions is None or not gs.holds_plan(st.component):
+                # A repeated reduction's plan is the one on the device (unless a forward that
+                # was not a step switched it off); its last positions are the repeat's to keep.
+                if positions is None:
+                    st.slot_last_position[plan.slot] = plan.last_position
                 gs.upload_segments(st.component, st.reduce_mode, plan.row_start, plan.row_count,
                                    plan.slot, st.slot_req_index[plan.slot])
         gs.step_eager_launches = 0
         gs.step_active = True
+
+    def _drop_repeat(self, st: Stream) -> None:
+        """Stop repeating ``st``'s last step: the tracks and reduction positions the repeat moved
+        on are written back first."""
+        repeat, st.repeat = st.repeat, None
+        if repeat is None:
+            return
+        repeat.settle()
+        if st.config.reduce != "all":
+            st.slot_last_position[repeat.plan.slot] = repeat.last_positions()
 
     def switch_off(self) -> None:
         """Before a forward that is not a step (vLLM's dummy, profile and capture runs): the
@@ -613,7 +635,7 @@ class CaptureSession:
         closing = [r for r in dict.fromkeys(req_ids) if r in st.slots]
         if not closing:
             return
-        st.repeat = None
+        self._drop_repeat(st)
         for r in closing:
             st.finished[r] = st.slots.pop(r)
             # A request closed while still running (by a fetch) is not reduced again: its later
