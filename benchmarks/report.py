@@ -211,6 +211,19 @@ def _f(value, fmt="{:.3f}", scale=1.0):
     return "-" if value is None else fmt.format(value / scale)
 
 
+def _cpus(cpus: list[int] | None) -> str:
+    """CPU ids as ranges: [0, 1, 2, 8] -> "0-2,8"; "-" when not pinned."""
+    if not cpus:
+        return "-"
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
 def engine_rows(engines: dict[str, dict]) -> list[dict]:
     """Per engine: start-up, KV cache, capture buffers, GPU memory, and deltas to the baseline."""
     base = engines.get("vanilla-graph", {})
@@ -270,8 +283,9 @@ def markdown(report: dict) -> str:
     lines.append("## Engines")
     lines.append("")
     lines.append("| engine | init s | KV cache tokens (vs vanilla) | capture buffers GiB (status) "
-                 "| GPU GiB the engine took (NVML, vs vanilla) | side by side with | error |")
-    lines.append("|---|---|---|---|---|---|---|")
+                 "| GPU GiB the engine took (NVML, vs vanilla) | side by side with | CPUs (client's) "
+                 "| error |")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for e in engine_rows(report.get("engines", {})):
         def delta(key, scale=1.0, fmt="{:+.2f}"):
             d = e.get(f"{key}_vs_vanilla")
@@ -282,6 +296,7 @@ def markdown(report: dict) -> str:
             f"| {_f(e.get('capture_allocation_bytes'), '{:.3f}', GIB)} "
             f"| {_f(e.get('nvml_engine'), '{:.2f}', GIB)}{delta('nvml_engine', GIB)} "
             f"| {', '.join(e.get('side_by_side_with') or []) or '-'} "
+            f"| {_cpus(e.get('cpus'))} ({_cpus(e.get('client_cpus'))}) "
             f"| {(e.get('error') or '')[:120]} |")
     lines.append("")
     lines.append("## Checks")

@@ -71,6 +71,30 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def physical_cores() -> list[list[int]]:
+    """The logical CPUs this process may use, grouped by physical core (package, core id)."""
+    cores: dict[tuple[int, int], list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = (int((topo / "physical_package_id").read_text()), int((topo / "core_id").read_text()))
+        except (OSError, ValueError):
+            key = (-1, cpu)
+        cores.setdefault(key, []).append(cpu)
+    return [cores[k] for k in sorted(cores)]
+
+
+def pin(pids: list[int], cpus: list[int]) -> None:
+    """Every thread of ``pids`` onto ``cpus`` (an affinity is per thread; new threads inherit
+    their creator's)."""
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except (OSError, ValueError):
+                pass  # the thread ended
+
+
 def reset_peak_rss(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -220,8 +244,18 @@ class EngineRun:
                 traceback.print_exc()
 
     def start(self) -> None:
+        engine_pids = {}
         for name in self.engine_names:
+            before = set(descendants(os.getpid()))
             self.start_engine(name)
+            engine_pids[name] = [p for p in descendants(os.getpid()) if p not in before]
+        if self.job.get("pin_cpus") and len(self.engine_names) > 1:
+            # This process (the engines' clients) and each engine's processes on their own cores.
+            groups = S.cpu_groups(physical_cores(), len(self.engine_names) + 1)
+            pin([os.getpid()], groups[0])
+            for name, cpus in zip(self.engine_names, groups[1:]):
+                pin([q for p in engine_pids[name] for q in (p, *descendants(p))], cpus)
+                self.emit(name, type="pinned", cpus=cpus, client_cpus=groups[0])
 
     def start_engine(self, name: str) -> None:
         kwargs = dict(self.job["engine_kwargs"][name])
@@ -613,7 +647,8 @@ class Suite:
                "engine_kwargs": {e: S.engine_kwargs(self.suite, self.shape, e) for e in group},
                "plan": [(asdict(w), [s.name for s in scens]) for w, scens in plan],
                "reps": self.suite.reps, "deadline": deadline, "hard_deadline": self.hard_end - 20,
-               "dtype_bytes": S.dtype_bytes(self.suite, self.shape), "events": str(events)}
+               "dtype_bytes": S.dtype_bytes(self.suite, self.shape), "events": str(events),
+               "pin_cpus": self.args.pin_cpus and not self.suite.force_eager}
         job_path = self.work / f"{label}.job.json"
         job_path.write_text(json.dumps(job))
         infos: dict[str, dict] = {e: {} for e in group}
@@ -630,6 +665,8 @@ class Suite:
             elif kind == "skip":
                 self.skipped.append(ev)
                 bar.update(self.suite.reps)
+            elif kind == "pinned":
+                infos[name]["cpus"], infos[name]["client_cpus"] = ev["cpus"], ev["client_cpus"]
             elif kind == "error":
                 infos[name]["error"] = ev["error"]
         log = self.work / f"{label}.log"
@@ -736,6 +773,9 @@ def parse_args(argv: list[str]):
     p.add_argument("--workloads", help="comma list of workload names, e.g. decode-c64,prefill-c64")
     p.add_argument("--scenarios", help="comma list of scenario names, e.g. vanilla,hidden-last "
                    "(default: all the suite has; ratios need vanilla)")
+    p.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
+                   help="leave engines side by side where the OS puts them (default: the client "
+                   "and each engine on their own physical cores)")
     p.add_argument("--engine-worker", metavar="JOB", help=argparse.SUPPRESS)
     p.add_argument("--probe-worker", metavar="RESULT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -136,6 +136,48 @@ def test_graph_engines_run_side_by_side_when_the_weights_fit_twice():
     assert "gpu_memory_utilization" not in S.engine_kwargs(cpu, S.MODELS["tiny"], "capture-graph")
 
 
+def test_cpu_groups_give_each_process_group_whole_cores_of_its_own():
+    smt = [[c, c + 8] for c in range(8)]  # 8 physical cores, two threads each
+    groups = S.cpu_groups(smt, 3)
+    assert groups == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13]]
+    assert S.cpu_groups([[c] for c in range(64)], 3) == [list(range(0, 4)), list(range(4, 8)),
+                                                         list(range(8, 12))]  # at most 4 cores
+    assert S.cpu_groups([[0], [1]], 2) == [[0], [1]]
+    with pytest.raises(ValueError, match="2 physical cores for 3 groups"):
+        S.cpu_groups([[0], [1]], 3)
+
+
+def test_pin_moves_every_thread_of_a_process_onto_its_cpus():
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.run import physical_cores, pin
+
+    cores = physical_cores()
+    assert sorted(c for core in cores for c in core) == sorted(os.sched_getaffinity(0))
+    # A child with a second thread started before the pin: both threads move.
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import threading, time\n"
+                              "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+                              "print('ready', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        target = cores[-1]
+        pin([child.pid], target)
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) == 2
+        assert all(os.sched_getaffinity(t) == set(target) for t in tids)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_engines_table_names_the_cpus_of_pinned_engines():
+    assert R._cpus([8, 0, 1, 2, 10, 9]) == "0-2,8-10" and R._cpus(None) == "-"
+
+
 def test_plan_group_alternates_engines_within_each_workload():
     suite = S.select(S.make_suite("full", "8b"), workloads="decode-c64,prefill-c64")
     plan, skips = S.plan_group(suite, S.MODELS["8b"], ["vanilla-graph", "capture-graph"])
