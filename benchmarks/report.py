@@ -10,6 +10,7 @@ A measurement is one timed generate (one rep) as the engine worker reports it::
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,31 @@ def _per_step(rep: dict, *keys: str) -> float | None:
     if not steps or any(rep.get(k) is None for k in keys):
         return None
     return sum(rep[k] for k in keys) / steps
+
+
+# Two-sided 95% quantiles of Student's t, by degrees of freedom (1-30; beyond, the normal's).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_ratio(base: list[dict], reps: list[dict]) -> dict | None:
+    """Tok/s of each rep (end to end: generate + fetch) over the baseline's generate of the same
+    rep, which ran beside it: the geometric mean over reps and its 95% confidence interval (t on
+    the log ratios). Adjacent generates share the host's slow drift, so a rep's pair cancels it
+    where medians of each side do not (on the H200 host, 1B generates vary by 15% rep to rep)."""
+    base_s = {r.get("rep", i): r["gen_s"] / r["generated_tokens"] for i, r in enumerate(base)}
+    logs = [math.log(base_s[k] * r["generated_tokens"] / (r["gen_s"] + r.get("fetch_s", 0.0)))
+            for k, r in ((r.get("rep", i), r) for i, r in enumerate(reps)) if k in base_s]
+    if not logs:
+        return None
+    mean = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return {"value": math.exp(mean), "ci95": None, "pairs": 1}
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = (_T95[len(logs) - 2] if len(logs) - 1 <= len(_T95) else 1.96) * sd / math.sqrt(len(logs))
+    return {"value": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)],
+            "pairs": len(logs)}
 
 
 def aggregate(reps: list[dict]) -> dict:
@@ -106,6 +132,10 @@ def summarize(measurements: list[dict]) -> dict[str, dict[str, dict]]:
         agg = aggregate(sorted(reps, key=lambda r: r.get("rep", 0)))
         agg["engine"] = engines[(workload, scenario)]
         table.setdefault(workload, {})[scenario] = agg
+    for (workload, scenario), reps in groups.items():
+        base_reps = groups.get((workload, BASELINE))
+        table[workload][scenario]["ratio_paired_e2e"] = (
+            paired_ratio(base_reps, reps) if base_reps else None)
     for rows in table.values():
         base = rows.get(BASELINE, {}).get("tok_s")
         best = rows.get(BASELINE, {}).get("tok_s_best")
@@ -190,6 +220,11 @@ def evaluate(table: dict[str, dict[str, dict]], link_gbps: float | None) -> list
                 continue
             bad = _incomplete(agg)
             detail = f"generate-only {agg['ratio']:.3f}" if c.against is None and agg.get("ratio") else ""
+            paired = agg.get("ratio_paired_e2e") if c.against is None else None
+            if paired and paired["ci95"]:
+                lo, hi = paired["ci95"]
+                detail += (f"; paired e2e {paired['value']:.3f}, 95% CI {lo:.3f}-{hi:.3f} over "
+                           f"{paired['pairs']} reps")
             lines.append(_line(c.name, workload, value, c.threshold, value >= c.threshold and not bad,
                                "; ".join(x for x in (detail, bad) if x)))
         if "heavy" in rows:
@@ -209,6 +244,14 @@ def check_text(line: dict) -> str:
 
 def _f(value, fmt="{:.3f}", scale=1.0):
     return "-" if value is None else fmt.format(value / scale)
+
+
+def _paired(agg: dict) -> str:
+    paired = agg.get("ratio_paired_e2e")
+    if not paired:
+        return "-"
+    ci = paired["ci95"]
+    return f"{paired['value']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
 
 
 def _cpus(cpus: list[int] | None) -> str:
@@ -250,18 +293,21 @@ def markdown(report: dict) -> str:
     lines.append(f"- medians of {report.get('reps')} reps; ratios are to `vanilla` (CUDA graphs) of the "
                  "same workload; e2e = generate + fetch_captured (rows in the client's hands); "
                  "vs idle = to `idle` on the same capture engine (capture's own cost); best ratio = "
-                 "fastest rep to vanilla's fastest (single generates are bimodal on the H200 host)")
+                 "fastest rep to vanilla's fastest (single generates are bimodal on the H200 host); "
+                 "paired e2e = geometric mean over reps of each rep's e2e tok/s to vanilla's "
+                 "generate of the same rep, with its 95% confidence interval")
     if report.get("dry_run"):
         lines.append("- **dry run on CPU: every engine runs eagerly; thresholds are not meaningful**")
     for workload, rows in report["table"].items():
         lines.append("")
         lines.append(f"## {workload}")
         lines.append("")
-        lines.append("| scenario | engine | tok/s | ratio | best ratio | tok/s e2e | ratio e2e | vs idle (e2e) | fetch s "
+        lines.append("| scenario | engine | tok/s | ratio | best ratio | tok/s e2e | ratio e2e "
+                     "| paired e2e (95% CI) | vs idle (e2e) | fetch s "
                      "| fetch in worker ms (finalize/drain/wait/serialize/write) "
                      "| rows/s | GB/s | B/token | rows (expected) | dropped | host ms/step (harvest; its copy waits) "
                      "| client peak RSS GiB | engine peak RSS GiB |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, a in rows.items():
             expected = a.get("rows_expected")
             rows_txt = f"{a['rows']:.0f}" + (f" ({expected})" if expected is not None else "")
@@ -270,7 +316,7 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {name} | {a['engine']} | {_f(a['tok_s'], '{:.0f}')} | {_f(a['ratio'])} "
                 f"| {_f(a.get('ratio_best'))} "
-                f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} "
+                f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} | {_paired(a)} "
                 f"| {_f(a.get('ratio_idle'))} ({_f(a.get('ratio_idle_e2e'))}) | {_f(a['fetch_s'])} "
                 f"| {'/'.join(_f(a.get(f'fetch_{k}_ms'), '{:.0f}') for k in FETCH_STAGES)} "
                 f"| {_f(a['rows_s'], '{:.3g}')} | {_f(a['gbps'], '{:.2f}')} | {_f(a['bytes_per_token'], '{:.0f}')} "

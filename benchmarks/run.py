@@ -398,8 +398,10 @@ class EngineRun:
                 if time.time() > hard:
                     self._skip(w, ready, f"time budget spent after {rep} rep(s)")
                     break
-                # Interleaved (engines too, when side by side): drift hits every scenario alike.
-                for s in list(ready):
+                # Interleaved (engines too, when side by side), and in reverse order every other
+                # rep (A B, B A, ...): drift hits every scenario alike, and so does a generate's
+                # place in the rep.
+                for s in list(ready if rep % 2 == 0 else ready[::-1]):
                     try:
                         self.emit(s.engine, **self.measure(s, w, rep))
                     except Exception as exc:  # noqa: BLE001 - one scenario's failure is a result
@@ -741,12 +743,13 @@ def print_summary(rep: dict, out_dir: Path) -> None:
     print(f"\n== {rep['suite']} / {rep['model_label']} ({rep['elapsed_s']:.0f} s); "
           f"pinned D2H {d2h.get('pinned_gbps', 'n/a')} GB/s")
     for workload, rows in rep["table"].items():
-        print(f"-- {workload}: scenario, tok/s, ratio, ratio e2e, GB/s, rows (complete)")
+        print(f"-- {workload}: scenario, tok/s, ratio, ratio e2e, paired e2e (95% CI), GB/s, "
+              "rows (complete)")
         for name, a in rows.items():
             ratio = "-" if a["ratio"] is None else f"{a['ratio']:.3f}"
             e2e = "-" if a["ratio_e2e"] is None else f"{a['ratio_e2e']:.3f}"
-            print(f"   {name:<20} {a['tok_s']:>9.0f} {ratio:>6} {e2e:>6} {a['gbps']:>7.2f} "
-                  f"{a['rows']:>10.0f} {'' if a['complete'] else 'INCOMPLETE'}")
+            print(f"   {name:<20} {a['tok_s']:>9.0f} {ratio:>6} {e2e:>6} {R._paired(a):>19} "
+                  f"{a['gbps']:>7.2f} {a['rows']:>10.0f} {'' if a['complete'] else 'INCOMPLETE'}")
     for e, info in rep["engines"].items():
         if info.get("error"):
             print(f"engine {e}: {info['error'][:300]}")

@@ -321,6 +321,51 @@ def test_summarize_ratios_to_vanilla_of_the_same_workload():
     assert t["decode-c64"]["vanilla"]["ratio_idle"] is None
 
 
+def test_paired_ratio_pairs_reps_and_gives_a_t_interval():
+    import numpy as np
+
+    base_tok_s = [1000.0, 800.0, 1200.0, 900.0, 1100.0, 1000.0, 700.0, 1300.0, 950.0, 1050.0]
+    rng = np.random.default_rng(0)
+    own = np.exp(rng.normal(np.log(0.96), 0.03, size=10))  # each rep's ratio to its pair
+    ms = [m for r, (b, k) in enumerate(zip(base_tok_s, own))
+          for m in _m("vanilla", b, reps=(r,)) + _m("hidden-last", b * k, reps=(r,))]
+    paired = R.summarize(ms)["decode-c64"]["hidden-last"]["ratio_paired_e2e"]
+    logs = np.log(own)
+    half = 2.262 * logs.std(ddof=1) / np.sqrt(10)  # Student's t, 9 degrees of freedom, 97.5%
+    assert paired["pairs"] == 10
+    assert paired["value"] == pytest.approx(np.exp(logs.mean()))
+    assert paired["ci95"] == pytest.approx([np.exp(logs.mean() - half), np.exp(logs.mean() + half)])
+    # Pairs by rep number, end to end (the fetch counts), and a lone pair has no interval.
+    alone = R.paired_ratio(_m("vanilla", 1000.0, reps=(0, 1)),
+                           _m("hidden-last", 1000.0, reps=(1, 5), fetch_s=1.0))
+    assert alone == {"value": pytest.approx(0.5), "ci95": None, "pairs": 1}
+    assert R.paired_ratio(_m("vanilla", 1000.0, reps=(0,)), _m("idle", 900.0, reps=(3,))) is None
+
+
+def test_reps_run_scenarios_forward_then_backward(tmp_path):
+    """Every other rep runs its scenarios in reverse (A B C, C B A, ...): a scenario's place in
+    the rep, and the host's drift across it, weigh on every scenario alike."""
+    from benchmarks.run import EngineRun
+
+    plan = [(vars(S.decode(8)), ["vanilla", "idle", "hidden-last"])]
+    job = {"engines": ["capture-graph", "vanilla-graph"], "model": "tiny", "model_dir": "-",
+           "engine_kwargs": {}, "plan": plan, "reps": 4, "deadline": 1e12, "hard_deadline": 1e12,
+           "dtype_bytes": 2, "events": str(tmp_path / "events.jsonl")}
+    run = EngineRun(job)
+
+    class FakeLLM:
+        def generate(self, *args, **kwargs):
+            return []
+
+    run.llms = {"capture-graph": FakeLLM(), "vanilla-graph": FakeLLM()}
+    run.params = lambda w, max_tokens=None: None
+    order = []
+    run.measure = lambda s, w, rep: order.append((rep, s.name)) or {"type": "measure"}
+    run.run()
+    forward = ["vanilla", "idle", "hidden-last"]
+    assert order == [(r, n) for r in range(4) for n in (forward if r % 2 == 0 else forward[::-1])]
+
+
 def test_summarize_without_baseline_gives_no_ratio():
     t = R.summarize(_m("idle", 900.0))
     assert t["decode-c64"]["idle"]["ratio"] is None
