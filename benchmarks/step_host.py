@@ -5,10 +5,12 @@ A ``CaptureGraphState`` with ``--layers`` hidden-state sites and a ``CaptureSess
 stream (``--reduce``: last, mean or all), driven as the runner wrappers drive them
 (``begin_step`` with the runner's host buffers as ``StepBuffers``, then ``end_step``):
 ``--requests`` requests prefill 32 tokens in one step, then decode ``--steps`` steps. No forward
-runs, so this is the host's part alone, in a hot loop: inside vLLM the same timers
-(``host_timers``: begin_step, end_step) read 3-4 times more, between vLLM's own work. On the H200
-host, session 15 read 48 us of geometry and 63 us of ``begin_step`` a step at 64 requests inside
-vLLM, against 13 and 20 us here, before steady decode skipped the geometry.
+runs, so this is the host's part alone, in a hot loop. Inside vLLM the same timers
+(``host_timers``: begin_step, end_step) read more: the same code runs slower between vLLM's own
+work, and their averages include the steps that are planned (prefill, joins). On the H200
+host (session 15), before steady decode skipped the geometry: 48 us of geometry and 63 us of
+``begin_step`` a step at 64 requests inside vLLM, against 13 and 20 us here; after: 31-39 us of
+begin + end inside vLLM, 5 us here.
 
     python3 benchmarks/step_host.py [--layers 16 --requests 64 --steps 2000 --device cuda]
 

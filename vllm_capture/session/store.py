@@ -1078,7 +1078,14 @@ def _copy_all(takes: list[tuple[torch.Tensor, np.ndarray | slice, torch.dtype]],
         if _append_pool is None:
             _append_pool = concurrent.futures.ThreadPoolExecutor(APPEND_THREADS,
                                                                  "vllm-capture-store")
-        copies = list(_append_pool.map(lambda i: _take(*takes[i]), todo))
+        try:
+            futures = [_append_pool.submit(_take, *takes[i]) for i in todo]
+        except RuntimeError:
+            # The interpreter is exiting and has shut the pool down (before the session's own
+            # exit hook ends the harvest thread): this batch is stored on this thread.
+            futures = None
+        copies = ([_take(*takes[i]) for i in todo] if futures is None
+                  else [f.result() for f in futures])
     for i, copy in zip(todo, copies):
         out[i] = copy
     return out
