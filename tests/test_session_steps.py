@@ -1515,17 +1515,33 @@ def test_eager_counters_and_idle_handle():
     assert session.fetch_stream(HS) == {}
 
 
+def _prefilled_pair(reduce: str, generated: int):
+    """An engine with one ``HS`` stream and two requests of two-token prompts, both prefilled."""
+    engine = Engine(acc_slots=3)
+    ref = RefStream(HS, 3, reduce=reduce)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce=reduce)
+    a = Req(num=0, prompt=[1, 2], gen=[3, 1, 2, 4, 5][:generated])
+    b = Req(num=1, prompt=[4, 4], gen=[1, 2, 3, 0, 1][:generated])
+    engine.step([(a, 2), (b, 2)])
+    return engine, ref, a, b
+
+
+def _check_fetched(engine, ref, reduce: str, reqs) -> None:
+    engine.step([])
+    rows = decode_rows(*engine.fetch(HS))
+    if reduce == "all":
+        check_rows(ref, rows, ref.expected_rows([r.rid for r in reqs]))
+    else:
+        check_reduced(ref, rows, [r.rid for r in reqs])
+
+
 @pytest.mark.parametrize("reduce", ["last", "mean", "all"])
 def test_a_step_repeating_the_last_plan_uploads_nothing(reduce):
     """At steady decode a reduction's plan repeats step after step: the device keeps it, and only
     a changed plan is copied. Row streams move on in their ring, so every step uploads. The
     rows still come out right: the fake model reads the plan from the device buffer."""
-    engine = Engine(acc_slots=3)
-    ref = RefStream(HS, 3, reduce=reduce)
-    engine.refs = [ref]
-    engine.session.enable_stream(HS, reduce=reduce)
-    a, b = Req(num=0, prompt=[1, 2], gen=[3, 1, 2, 4]), Req(num=1, prompt=[4, 4], gen=[1, 2, 3, 0])
-    engine.step([(a, 2), (b, 2)])
+    engine, ref, a, b = _prefilled_pair(reduce, generated=4)
     uploads = [engine.state.plan_uploads]
     while not a.done:
         engine.step([(a, 1), (b, 1)])
@@ -1533,12 +1549,7 @@ def test_a_step_repeating_the_last_plan_uploads_nothing(reduce):
     steps = np.diff(uploads).tolist()
     assert len(steps) == 4
     assert steps == ([1, 1, 1, 1] if reduce == "all" else [1, 0, 0, 0])
-    engine.step([])
-    rows = decode_rows(*engine.fetch(HS))
-    if reduce == "all":
-        check_rows(ref, rows, ref.expected_rows([a.rid, b.rid]))
-    else:
-        check_reduced(ref, rows, [a.rid, b.rid])
+    _check_fetched(engine, ref, reduce, (a, b))
 
 
 @pytest.mark.parametrize("reduce", ["all", "mean"])
@@ -1546,12 +1557,7 @@ def test_a_request_preempted_after_repeated_steps_is_not_captured_twice(reduce):
     """Repeated decode steps move the requests' high-water marks on inside the repeat only; a
     request preempted after them and recomputed from its start must still find its mark, so that
     no recomputed position is captured (or reduced into its mean) a second time."""
-    engine = Engine(acc_slots=3)
-    ref = RefStream(HS, 3, reduce=reduce)
-    engine.refs = [ref]
-    engine.session.enable_stream(HS, reduce=reduce)
-    a, b = Req(num=0, prompt=[1, 2], gen=[3, 1, 2, 4, 5]), Req(num=1, prompt=[4, 4], gen=[1, 2, 3, 0, 1])
-    engine.step([(a, 2), (b, 2)])
+    engine, ref, a, b = _prefilled_pair(reduce, generated=5)
     for _ in range(3):
         engine.step([(a, 1), (b, 1)])
     uploads = engine.state.plan_uploads
@@ -1561,12 +1567,7 @@ def test_a_request_preempted_after_repeated_steps_is_not_captured_twice(reduce):
     engine.step([(b, 1), (a, a.known)])
     while not a.done or not b.done:
         engine.step([(r, 1) for r in (a, b) if not r.done])
-    engine.step([])
-    rows = decode_rows(*engine.fetch(HS))
-    if reduce == "all":
-        check_rows(ref, rows, ref.expected_rows([a.rid, b.rid]))
-    else:
-        check_reduced(ref, rows, [a.rid, b.rid])
+    _check_fetched(engine, ref, reduce, (a, b))
 
 
 class _FakeV2Runner:

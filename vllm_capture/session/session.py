@@ -125,7 +125,8 @@ class Stream:
     # the store (_queue_held).
     finished: dict[str, int] = field(default_factory=dict)
     held: list = field(default_factory=list)
-    # The last step, if the next one may repeat it (steady decode); dropped whenever tracks change.
+    # The last step, if the next one may repeat it (steady decode); dropped, and its positions
+    # written back, whenever tracks change (_drop_repeat).
     repeat: DecodeRepeat | None = None
 
     @property
