@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-1b-paired | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -134,6 +134,13 @@ PY
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.
     # (ROUNDS, the third argument: 1 by default; a round of the 1B shape takes about 4.5 minutes.)
     timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
+    ;;
+  bench-1b-paired)
+    # The 1B's last-token target: 80 reps of vanilla, idle and hidden-last side by side (about 8
+    # minutes). A 1B pair spreads by 11-16% on the H200 host, so the paired ratio's 95% interval
+    # (in the check line) is about +-4% after 80 reps; the target is decided where it clears 0.97.
+    python3 benchmarks/run.py --suite quick --scenarios vanilla,idle,hidden-last --reps 80 \
+      --budget-s 500 --grace-s 30 --out "$OUT" 2>&1 | tail -n 12
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph
