@@ -131,11 +131,9 @@ def summarize(measurements: list[dict]) -> dict[str, dict[str, dict]]:
     for (workload, scenario), reps in groups.items():
         agg = aggregate(sorted(reps, key=lambda r: r.get("rep", 0)))
         agg["engine"] = engines[(workload, scenario)]
-        table.setdefault(workload, {})[scenario] = agg
-    for (workload, scenario), reps in groups.items():
         base_reps = groups.get((workload, BASELINE))
-        table[workload][scenario]["ratio_paired_e2e"] = (
-            paired_ratio(base_reps, reps) if base_reps else None)
+        agg["ratio_paired_e2e"] = paired_ratio(base_reps, reps) if base_reps else None
+        table.setdefault(workload, {})[scenario] = agg
     for rows in table.values():
         base = rows.get(BASELINE, {}).get("tok_s")
         best = rows.get(BASELINE, {}).get("tok_s_best")
@@ -246,7 +244,8 @@ def _f(value, fmt="{:.3f}", scale=1.0):
     return "-" if value is None else fmt.format(value / scale)
 
 
-def _paired(agg: dict) -> str:
+def paired_text(agg: dict) -> str:
+    """The paired e2e ratio and its 95% interval, for a table cell."""
     paired = agg.get("ratio_paired_e2e")
     if not paired:
         return "-"
@@ -316,7 +315,7 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {name} | {a['engine']} | {_f(a['tok_s'], '{:.0f}')} | {_f(a['ratio'])} "
                 f"| {_f(a.get('ratio_best'))} "
-                f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} | {_paired(a)} "
+                f"| {_f(a['tok_s_e2e'], '{:.0f}')} | {_f(a['ratio_e2e'])} | {paired_text(a)} "
                 f"| {_f(a.get('ratio_idle'))} ({_f(a.get('ratio_idle_e2e'))}) | {_f(a['fetch_s'])} "
                 f"| {'/'.join(_f(a.get(f'fetch_{k}_ms'), '{:.0f}') for k in FETCH_STAGES)} "
                 f"| {_f(a['rows_s'], '{:.3g}')} | {_f(a['gbps'], '{:.2f}')} | {_f(a['bytes_per_token'], '{:.0f}')} "

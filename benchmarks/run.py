@@ -748,7 +748,7 @@ def print_summary(rep: dict, out_dir: Path) -> None:
         for name, a in rows.items():
             ratio = "-" if a["ratio"] is None else f"{a['ratio']:.3f}"
             e2e = "-" if a["ratio_e2e"] is None else f"{a['ratio_e2e']:.3f}"
-            print(f"   {name:<20} {a['tok_s']:>9.0f} {ratio:>6} {e2e:>6} {R._paired(a):>19} "
+            print(f"   {name:<20} {a['tok_s']:>9.0f} {ratio:>6} {e2e:>6} {R.paired_text(a):>19} "
                   f"{a['gbps']:>7.2f} {a['rows']:>10.0f} {'' if a['complete'] else 'INCOMPLETE'}")
     for e, info in rep["engines"].items():
         if info.get("error"):
