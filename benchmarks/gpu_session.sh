@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-1b-paired | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -141,6 +141,14 @@ PY
     # (in the check line) is about +-4% after 80 reps; the target is decided where it clears 0.97.
     python3 benchmarks/run.py --suite quick --scenarios vanilla,idle,hidden-last --reps 80 \
       --budget-s 500 --grace-s 30 --out "$OUT" 2>&1 | tail -n 12
+    ;;
+  bench-1b-control)
+    # The same with a second vanilla engine (vanilla-b, started first): how far two engines of
+    # one kind sit apart in one run, against which idle's and hidden-last's ratios are read. The
+    # engines rotate over their CPU groups rep by rep; results.md gives each scenario's tok/s by
+    # group. (REPS, the second argument: 50 by default; about 6.5 minutes.)
+    python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last \
+      --reps ${2:-50} --budget-s 450 --grace-s 30 --out "$OUT" 2>&1 | tail -n 14
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph

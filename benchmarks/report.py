@@ -65,6 +65,15 @@ def paired_ratio(base: list[dict], reps: list[dict]) -> dict | None:
             "pairs": len(logs)}
 
 
+def _by_cpus(reps: list[dict]) -> dict[str, float]:
+    """Median generate tok/s per CPU group the reps ran on (``{}`` when not pinned)."""
+    groups: dict[tuple[int, ...], list[float]] = {}
+    for r in reps:
+        if r.get("cpus"):
+            groups.setdefault(tuple(sorted(r["cpus"])), []).append(r["generated_tokens"] / r["gen_s"])
+    return {_cpus(list(k)): _median(v) for k, v in sorted(groups.items())}
+
+
 def aggregate(reps: list[dict]) -> dict:
     """Medians over the reps of one (engine, workload, scenario)."""
     def per_rep(fn):
@@ -88,6 +97,9 @@ def aggregate(reps: list[dict]) -> dict:
         # Single generates fall into a slow or a fast mode on the H200 host (engine_order.py):
         # best against best compares like with like once each side has one fast rep.
         "tok_s_best": max((r["generated_tokens"] / r["gen_s"] for r in reps), default=None),
+        # Pinned side by side, the engines rotate over CPU groups rep by rep: a group's own speed
+        # shows as the same column slower for every engine.
+        "tok_s_by_cpus": _by_cpus(reps),
         "rows": _median(per_rep(lambda r: r.get("rows", 0))),
         "positions": _median(per_rep(lambda r: r.get("positions", 0))),
         "bytes": _median(per_rep(lambda r: r.get("bytes", 0))),
@@ -324,11 +336,22 @@ def markdown(report: dict) -> str:
                 f"; {_f(a.get('harvest_sync_ms_per_step'), '{:.3f}')}) "
                 f"| {_f(a['client_peak_rss'], '{:.2f}', GIB)} "
                 f"| {_f(a['engine_peak_rss'], '{:.2f}', GIB)} |")
+        by_cpus = {name: a["tok_s_by_cpus"] for name, a in rows.items() if a.get("tok_s_by_cpus")}
+        if by_cpus:
+            cols = list(dict.fromkeys(c for v in by_cpus.values() for c in v))
+            lines.append("")
+            lines.append("Median generate tok/s by the CPUs the engine ran on (engines rotate rep by rep):")
+            lines.append("")
+            lines.append("| scenario | " + " | ".join(cols) + " |")
+            lines.append("|---|" + "---|" * len(cols))
+            lines.extend(f"| {name} | " + " | ".join(_f(v.get(c), "{:.0f}") for c in cols) + " |"
+                         for name, v in by_cpus.items())
     lines.append("")
     lines.append("## Engines")
     lines.append("")
     lines.append("| engine | init s | KV cache tokens (vs vanilla) | capture buffers GiB (status) "
-                 "| GPU GiB the engine took (NVML, vs vanilla) | side by side with | CPUs (client's) "
+                 "| GPU GiB the engine took (NVML, vs vanilla) | side by side with "
+                 "| CPUs, rotating among engines (client's) "
                  "| error |")
     lines.append("|---|---|---|---|---|---|---|---|")
     for e in engine_rows(report.get("engines", {})):

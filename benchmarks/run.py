@@ -222,6 +222,8 @@ class EngineRun:
         self.api = None
         self.stream_layers: dict[str, list[int]] = {}
         self.unavailable: dict[str, str] = {}
+        self.engine_pids: dict[str, list[int]] = {}  # engine name -> its processes (when pinned)
+        self.engine_cpu_groups: list[list[int]] = []  # the CPU groups the engines rotate over
 
     def emit(self, engine: str, **record) -> None:
         self.events.write(json.dumps({"engine": engine, **record}) + "\n")
@@ -253,9 +255,20 @@ class EngineRun:
             # This process (the engines' clients) and each engine's processes on their own cores.
             groups = S.cpu_groups(physical_cores(), len(self.engine_names) + 1)
             pin([os.getpid()], groups[0])
-            for name, cpus in zip(self.engine_names, groups[1:]):
-                pin([q for p in engine_pids[name] for q in (p, *descendants(p))], cpus)
-                self.emit(name, type="pinned", cpus=cpus, client_cpus=groups[0])
+            self.engine_pids, self.engine_cpu_groups = engine_pids, groups[1:]
+            for name in self.engine_names:
+                self.emit(name, type="pinned", cpus=sorted(c for g in groups[1:] for c in g),
+                          client_cpus=groups[0])
+
+    def place(self, rep: int) -> dict[str, list[int]]:
+        """Pin each engine's processes to its CPU group of ``rep`` (``S.rotated_cpus``); {} when
+        the engines are not pinned."""
+        if not self.engine_cpu_groups:
+            return {}
+        cpus = S.rotated_cpus(self.engine_names, self.engine_cpu_groups, rep)
+        for name, pids in self.engine_pids.items():
+            pin([q for p in pids for q in (p, *descendants(p))], cpus[name])
+        return cpus
 
     def start_engine(self, name: str) -> None:
         kwargs = dict(self.job["engine_kwargs"][name])
@@ -401,9 +414,10 @@ class EngineRun:
                 # Interleaved (engines too, when side by side), and in reverse order every other
                 # rep (A B, B A, ...): drift hits every scenario alike, and so does a generate's
                 # place in the rep.
+                cpus = self.place(rep)
                 for s in list(ready if rep % 2 == 0 else ready[::-1]):
                     try:
-                        self.emit(s.engine, **self.measure(s, w, rep))
+                        self.emit(s.engine, **self.measure(s, w, rep), cpus=cpus.get(s.engine))
                     except Exception as exc:  # noqa: BLE001 - one scenario's failure is a result
                         traceback.print_exc()
                         ready.remove(s)

@@ -175,12 +175,16 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("vanilla-graph", capture=False, eager=False),   # the baseline
+    Engine("vanilla-graph-b", capture=False, eager=False),  # the control: a second baseline
     Engine("capture-graph", capture=True, eager=False),
     Engine("capture-eager", capture=True, eager=True),
     Engine("vanilla-eager", capture=False, eager=True),
 )}
 BASELINE = "vanilla"
 IDLE = "idle"  # capture installed, no stream: the reference for capture's own cost
+# A second vanilla engine beside the first: how far two engines of one kind sit apart in a run
+# (named only; on the 1B's host-bound step idle read 0.916-1.024 across runs).
+CONTROL = "vanilla-b"
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,7 @@ _CAPTURES = (
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(BASELINE, "vanilla-graph", note="plain vllm.LLM, CUDA graphs (baseline)"),
+    Scenario(CONTROL, "vanilla-graph-b", note="a second plain vllm.LLM, CUDA graphs (control)"),
     Scenario("vanilla-eager", "vanilla-eager", note="plain vllm.LLM, enforce_eager=True"),
     Scenario(IDLE, "capture-graph", note="capture installed, no stream enabled"),
     *(Scenario(n, "capture-graph", c, moe, heavy, note) for n, c, moe, heavy, note in _CAPTURES),
@@ -278,7 +283,7 @@ class Suite:
         return max(w.concurrency for w in self.workloads)
 
 
-_ALL = tuple(SCENARIOS)
+_ALL = tuple(n for n in SCENARIOS if n != CONTROL)
 # Under 3 minutes with start-up (2 engines, 158-170 s on the H200); eager engines in `full`.
 _QUICK = (BASELINE, IDLE, "hidden-last", "hidden-4l")
 
@@ -381,9 +386,13 @@ def engine_groups(suite: Suite, shape: ModelShape) -> list[list[str]]:
     (On CPU, ``force_eager``, the "graph" engines run eagerly but still side by side.)
     """
     engines = suite.engines_for(shape)
-    # Capture starts first, so that any edge of the engine started second goes to the baseline
+    # Capture starts first, so that any edge of the engine started later goes to the baseline
     # (two vanilla engines side by side showed none beyond per-generate noise: engine_order.py).
-    graph = sorted((e for e in engines if not ENGINES[e].eager), key=lambda e: not ENGINES[e].capture)
+    # The control starts before both: an edge of starting first shows in its ratio, not capture's
+    # (session 16: the engine started first, capture's, read 0.95-0.98 idle; the control, third,
+    # 0.996 and 1.023).
+    graph = sorted((e for e in engines if not ENGINES[e].eager),
+                   key=lambda e: (e != "vanilla-graph-b", not ENGINES[e].capture))
     if (suite.side_by_side and len(graph) > 1
             and shape.weight_bytes <= SIDE_BY_SIDE_MAX_WEIGHT_BYTES):
         return [graph] + [[e] for e in engines if e not in graph]
@@ -394,12 +403,19 @@ def cpu_groups(cores: list[list[int]], groups: int, max_cores: int = 4) -> list[
     """Disjoint CPU sets for ``groups`` process groups, each of whole physical cores (``cores``:
     the logical CPUs of each physical core, in order), as many as share evenly, at most
     ``max_cores`` each. Side by side, the client and each engine get their own cores, so that
-    neither engine's placement favours it. (On the H200 the 1B's ratios spread as widely pinned as
-    not, session 15: the idle engine read 1.024 and 0.916 unpinned, 0.956 pinned.)"""
+    neither engine's placement favours it; the engines rotate over their groups (``rotated_cpus``).
+    (On the H200 the 1B's ratios spread as widely pinned as not, session 15: the idle engine read
+    1.024 and 0.916 unpinned, 0.956 pinned.)"""
     per = min(max_cores, len(cores) // groups) if groups else 0
     if per < 1:
         raise ValueError(f"cpu_groups: {len(cores)} physical cores for {groups} groups")
     return [sorted(c for core in cores[g * per:(g + 1) * per] for c in core) for g in range(groups)]
+
+
+def rotated_cpus(engines: list[str], groups: list[list[int]], rep: int) -> dict[str, list[int]]:
+    """The CPU set of each engine in ``rep``: the engines move one group on every rep, so over
+    ``len(groups)`` reps each ran on every group once, and no engine's ratio is its cores'."""
+    return {e: groups[(i + rep) % len(groups)] for i, e in enumerate(engines)}
 
 
 def plan_group(suite: Suite, shape: ModelShape, engines: list[str]):
@@ -449,10 +465,11 @@ def select(suite: Suite, engines: str | None = None, workloads: str | None = Non
 
     if scenarios:
         keep = [s.strip() for s in scenarios.split(",") if s.strip()]
-        bad = [s for s in keep if s not in suite.scenarios]
+        known = (*suite.scenarios, CONTROL)  # every suite runs the control when it is named
+        bad = [s for s in keep if s not in known]
         if bad:
-            raise ValueError(f"--scenarios: unknown {bad}; this suite has {list(suite.scenarios)}")
-        suite = replace(suite, scenarios=tuple(s for s in suite.scenarios if s in keep))
+            raise ValueError(f"--scenarios: unknown {bad}; this suite has {list(known)}")
+        suite = replace(suite, scenarios=tuple(s for s in known if s in keep))
     if engines:
         keep = [e.strip() for e in engines.split(",") if e.strip()]
         bad = [e for e in keep if e not in ENGINES]

@@ -174,6 +174,17 @@ def test_pin_moves_every_thread_of_a_process_onto_its_cpus():
         child.wait()
 
 
+def test_engines_rotate_over_the_cpu_groups_rep_by_rep():
+    groups = [[4, 5], [6, 7], [8, 9]]
+    engines = ["capture-graph", "vanilla-graph", "vanilla-graph-b"]
+    placed = [S.rotated_cpus(engines, groups, rep) for rep in range(3)]
+    for cpus in placed:  # every rep: each engine on a group of its own
+        assert sorted(map(tuple, cpus.values())) == sorted(map(tuple, groups))
+    for e in engines:  # over as many reps as groups: each engine on every group once
+        assert sorted(tuple(cpus[e]) for cpus in placed) == sorted(map(tuple, groups))
+    assert S.rotated_cpus(engines, groups, 3) == placed[0]
+
+
 def test_engines_table_names_the_cpus_of_pinned_engines():
     assert R._cpus([8, 0, 1, 2, 10, 9]) == "0-2,8-10" and R._cpus(None) == "-"
 
@@ -364,6 +375,58 @@ def test_reps_run_scenarios_forward_then_backward(tmp_path):
     run.run()
     forward = ["vanilla", "idle", "hidden-last"]
     assert order == [(r, n) for r in range(4) for n in (forward if r % 2 == 0 else forward[::-1])]
+
+
+def test_each_measurement_names_the_cpus_its_engine_ran_on(tmp_path):
+    from benchmarks.run import EngineRun
+
+    plan = [(vars(S.decode(8)), ["vanilla", "idle"])]
+    job = {"engines": ["capture-graph", "vanilla-graph"], "model": "tiny", "model_dir": "-",
+           "engine_kwargs": {}, "plan": plan, "reps": 3, "deadline": 1e12, "hard_deadline": 1e12,
+           "dtype_bytes": 2, "events": str(tmp_path / "events.jsonl")}
+    run = EngineRun(job)
+
+    class FakeLLM:
+        def generate(self, *args, **kwargs):
+            return []
+
+    run.llms = {"capture-graph": FakeLLM(), "vanilla-graph": FakeLLM()}
+    run.params = lambda w, max_tokens=None: None
+    run.measure = lambda s, w, rep: {"type": "measure", "scenario": s.name, "rep": rep}
+    run.engine_pids = {"capture-graph": [], "vanilla-graph": []}
+    run.engine_cpu_groups = [[4, 5], [6, 7]]
+    run.run()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    placed = [(e["rep"], e["scenario"], e["cpus"]) for e in events if e["type"] == "measure"]
+    assert placed == [(0, "vanilla", [6, 7]), (0, "idle", [4, 5]),
+                      (1, "idle", [6, 7]), (1, "vanilla", [4, 5]),
+                      (2, "vanilla", [6, 7]), (2, "idle", [4, 5])]
+    # Not pinned: no CPUs named.
+    run.engine_cpu_groups = []
+    assert run.place(0) == {}
+
+
+def test_report_gives_each_scenario_its_speed_by_cpu_group():
+    ms = [*_m("vanilla", 1000.0, reps=(0,), cpus=[6, 7]), *_m("vanilla", 800.0, reps=(1,), cpus=[4, 5]),
+          *_m("idle", 900.0, reps=(0,), cpus=[4, 5]), *_m("idle", 1100.0, reps=(1,), cpus=[6, 7])]
+    t = R.summarize(ms)
+    assert t["decode-c64"]["vanilla"]["tok_s_by_cpus"] == {"4-5": pytest.approx(800.0),
+                                                           "6-7": pytest.approx(1000.0)}
+    md = R.markdown(_report(ms))
+    assert "| scenario | 4-5 | 6-7 |" in md and "| idle | 900 | 1100 |" in md
+    assert R.summarize(_m("vanilla", 1000.0))["decode-c64"]["vanilla"]["tok_s_by_cpus"] == {}
+
+
+def test_the_control_engine_runs_when_named():
+    quick = S.make_suite("quick")
+    assert S.CONTROL not in quick.scenarios and S.CONTROL not in S.make_suite("full").scenarios
+    named = S.select(quick, scenarios="vanilla,vanilla-b,idle,hidden-last")
+    shape = S.MODELS["1b"]
+    # Started first, before capture: an edge of the first start would show in the control's ratio.
+    assert S.engine_groups(named, shape) == [["vanilla-graph-b", "capture-graph", "vanilla-graph"]]
+    kw = S.engine_kwargs(named, shape, "vanilla-graph-b")
+    assert kw == S.engine_kwargs(named, shape, "vanilla-graph")  # the same engine, twice
+    assert kw["gpu_memory_utilization"] == round(named.gpu_memory_utilization / 3, 3)
 
 
 def test_summarize_without_baseline_gives_no_ratio():
