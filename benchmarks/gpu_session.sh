@@ -61,10 +61,14 @@ case "$SET" in
     compare qwen3_moe_tp2_graph qwen3_moe --against tp1=/tmp/qwen3_moe_graph.pt
     ;;
   profile)
-    # Where a capture step's host time goes (torch.profiler tables), one file back.
+    # Where a step's host time goes (torch.profiler tables), a vanilla engine's and then the
+    # capture engine's, each in its own process; one file back.
+    timeout 200 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile --engine vanilla \
+      >"$OUT/profile_vanilla.log" 2>&1; echo "profile vanilla rc=$?"
     timeout 300 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile \
       --scenarios ${2:-idle,hidden-last,hidden-4l} >"$OUT/profile.log" 2>&1; echo "profile rc=$?"
-    grep -E "^(idle|hidden|heads|heavy|router)" "$OUT/profile.log" | cut -c1-700
+    grep -hE "^(vanilla|idle|hidden|heads|heavy|router)" "$OUT/profile_vanilla.log" "$OUT/profile.log" | cut -c1-700
+    mv "$OUT/profile_vanilla.log" /tmp/profile/ 2>/dev/null
     cp "$OUT/profile.log" /tmp/profile/ 2>/dev/null; tar czf "$OUT/profile.tgz" -C /tmp profile && rm -f "$OUT/profile.log"
     ;;
   extract)

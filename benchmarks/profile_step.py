@@ -2,15 +2,18 @@
 """Where a capture step's time goes, on the GPU host: one in-process engine, torch.profiler.
 
     python3 benchmarks/profile_step.py --model 1b --out /tmp/out [--scenarios idle,heavy]
+    python3 benchmarks/profile_step.py --model 1b --out /tmp/out --engine vanilla
 
 Runs the quick suite's decode workload (64 prompts x 32 tokens, 256 new tokens) on one capture
-engine (CUDA graphs), in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees
+engine (CUDA graphs), or with ``--engine vanilla`` on a plain ``vllm.LLM`` (scenario ``vanilla``:
+what the idle engine's step is compared with), in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees
 the scheduler, the worker and our hooks together. For each scenario (by default capture idle,
 last-token hidden states of all layers, all positions of 4 layers; any graph scenario of the suite
 by name) it times plain generates and their fetches, then profiles one and writes the CPU-side
 operator table (host syncs, pinned allocations, copies, kernel launches) to
-``OUT/profile_<scenario>.txt``; the summary compares the scenarios by call counts, host time
-per decode step, and the GPU's busy time per step against the profiled generate's step time.
+``OUT/profile_<scenario>.txt``; the summary (``OUT/profile_summary_<engine>.json``) compares the
+scenarios by call counts, host time per decode step, and the GPU's busy time per step against
+the profiled generate's step time.
 """
 
 from __future__ import annotations
@@ -40,11 +43,14 @@ def main() -> int:
     p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--engine", default="capture", choices=("capture", "vanilla"))
     p.add_argument("--scenarios", default="idle,hidden-last,hidden-4l",
-                   help="comma list: idle, or scenarios of the suite on the capture-graph engine")
+                   help="comma list: idle, or scenarios of the suite on the capture-graph engine "
+                        "(with --engine vanilla: vanilla only)")
     args = p.parse_args()
-    names = args.scenarios.split(",")
-    bad = [n for n in names if n != "idle" and (
+    capture = args.engine == "capture"
+    names = args.scenarios.split(",") if capture else [S.BASELINE]
+    bad = [n for n in names if n not in ("idle", S.BASELINE) and (
         n not in S.SCENARIOS or S.SCENARIOS[n].capture is None
         or S.SCENARIOS[n].engine != "capture-graph")]
     if bad:
@@ -53,6 +59,8 @@ def main() -> int:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from vllm import LLM
 
     import vllm_capture as vc
     from vllm_capture import api
@@ -63,23 +71,28 @@ def main() -> int:
     suite = S.make_suite("quick", args.model)
     w = suite.workloads[0]
     model_dir = prepare_model(shape, Path(tempfile.mkdtemp(prefix="vllm-capture-profile-")))
-    llm = vc.LLM(str(model_dir), **S.engine_kwargs(suite, shape, "capture-graph"))
+    engine = "capture-graph" if capture else "vanilla-graph"
+    llm = (vc.LLM if capture else LLM)(str(model_dir), **S.engine_kwargs(suite, shape, engine))
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=w.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
     prompts = Prompts(shape.vocab)
     llm.generate(prompts.make(w), params, use_tqdm=False)
-    scenarios = {n: None if n == "idle" else S.SCENARIOS[n].capture for n in names}
+    scenarios = {n: S.SCENARIOS[n].capture for n in names}
+
+    def host_timers() -> dict:
+        return api.capture_status(llm, S.HIDDEN)["host_timers"] if capture else {}
+
     summary = {}
     for name, cap in scenarios.items():
         def generate():
-            before = api.capture_status(llm, S.HIDDEN)["host_timers"]
+            before = host_timers()
             if cap is not None:
                 api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
             t = time.perf_counter()
             llm.generate(prompts.make(w), params, use_tqdm=False)
             gen_s = time.perf_counter() - t
-            after = api.capture_status(llm, S.HIDDEN)["host_timers"]
+            after = host_timers()
             t = time.perf_counter()
             if cap is not None:
                 api.fetch_captured(llm, cap.stream, clear=True)
@@ -105,7 +118,7 @@ def main() -> int:
                          "gen_s": times, "tok_s": [w.generated_tokens / t for t in times],
                          "profiled_gen_s": prof_s, "watched": watched, **status}
         print(name, json.dumps(summary[name])[:1500], flush=True)
-    (out / "profile_summary.json").write_text(json.dumps(summary, indent=1))
+    (out / f"profile_summary_{args.engine}.json").write_text(json.dumps(summary, indent=1))
     return 0
 
 
