@@ -353,15 +353,14 @@ def test_paired_ratio_pairs_reps_and_gives_a_t_interval():
     assert R.paired_ratio(_m("vanilla", 1000.0, reps=(0,)), _m("idle", 900.0, reps=(3,))) is None
 
 
-def test_reps_run_scenarios_forward_then_backward(tmp_path):
-    """Every other rep runs its scenarios in reverse (A B C, C B A, ...): a scenario's place in
-    the rep, and the host's drift across it, weigh on every scenario alike."""
+def _engine_run(tmp_path, scenarios: list[str], reps: int):
+    """An ``EngineRun`` of the capture and vanilla graph engines whose generates do nothing."""
     from benchmarks.run import EngineRun
 
-    plan = [(vars(S.decode(8)), ["vanilla", "idle", "hidden-last"])]
     job = {"engines": ["capture-graph", "vanilla-graph"], "model": "tiny", "model_dir": "-",
-           "engine_kwargs": {}, "plan": plan, "reps": 4, "deadline": 1e12, "hard_deadline": 1e12,
-           "dtype_bytes": 2, "events": str(tmp_path / "events.jsonl")}
+           "engine_kwargs": {}, "plan": [(vars(S.decode(8)), scenarios)], "reps": reps,
+           "deadline": 1e12, "hard_deadline": 1e12, "dtype_bytes": 2,
+           "events": str(tmp_path / "events.jsonl")}
     run = EngineRun(job)
 
     class FakeLLM:
@@ -370,6 +369,13 @@ def test_reps_run_scenarios_forward_then_backward(tmp_path):
 
     run.llms = {"capture-graph": FakeLLM(), "vanilla-graph": FakeLLM()}
     run.params = lambda w, max_tokens=None: None
+    return run
+
+
+def test_reps_run_scenarios_forward_then_backward(tmp_path):
+    """Every other rep runs its scenarios in reverse (A B C, C B A, ...): a scenario's place in
+    the rep, and the host's drift across it, weigh on every scenario alike."""
+    run = _engine_run(tmp_path, ["vanilla", "idle", "hidden-last"], reps=4)
     order = []
     run.measure = lambda s, w, rep: order.append((rep, s.name)) or {"type": "measure"}
     run.run()
@@ -378,20 +384,7 @@ def test_reps_run_scenarios_forward_then_backward(tmp_path):
 
 
 def test_each_measurement_names_the_cpus_its_engine_ran_on(tmp_path):
-    from benchmarks.run import EngineRun
-
-    plan = [(vars(S.decode(8)), ["vanilla", "idle"])]
-    job = {"engines": ["capture-graph", "vanilla-graph"], "model": "tiny", "model_dir": "-",
-           "engine_kwargs": {}, "plan": plan, "reps": 3, "deadline": 1e12, "hard_deadline": 1e12,
-           "dtype_bytes": 2, "events": str(tmp_path / "events.jsonl")}
-    run = EngineRun(job)
-
-    class FakeLLM:
-        def generate(self, *args, **kwargs):
-            return []
-
-    run.llms = {"capture-graph": FakeLLM(), "vanilla-graph": FakeLLM()}
-    run.params = lambda w, max_tokens=None: None
+    run = _engine_run(tmp_path, ["vanilla", "idle"], reps=3)
     run.measure = lambda s, w, rep: {"type": "measure", "scenario": s.name, "rep": rep}
     run.engine_pids = {"capture-graph": [], "vanilla-graph": []}
     run.engine_cpu_groups = [[4, 5], [6, 7]]
