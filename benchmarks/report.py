@@ -52,8 +52,13 @@ def paired_ratio(base: list[dict], reps: list[dict]) -> dict | None:
     the log ratios). Adjacent generates share the host's slow drift, so a rep's pair cancels it
     where medians of each side do not (on the H200 host, 1B generates vary by 15% rep to rep)."""
     base_s = {r.get("rep", i): r["gen_s"] / r["generated_tokens"] for i, r in enumerate(base)}
-    logs = [math.log(base_s[k] * r["generated_tokens"] / (r["gen_s"] + r.get("fetch_s", 0.0)))
-            for k, r in ((r.get("rep", i), r) for i, r in enumerate(reps)) if k in base_s]
+    return geometric_mean_interval([
+        math.log(base_s[k] * r["generated_tokens"] / (r["gen_s"] + r.get("fetch_s", 0.0)))
+        for k, r in ((r.get("rep", i), r) for i, r in enumerate(reps)) if k in base_s])
+
+
+def geometric_mean_interval(logs: list[float]) -> dict | None:
+    """The geometric mean of ratios given as logs, with its 95% interval (t on the logs)."""
     if not logs:
         return None
     mean = sum(logs) / len(logs)

@@ -353,6 +353,32 @@ def test_paired_ratio_pairs_reps_and_gives_a_t_interval():
     assert R.paired_ratio(_m("vanilla", 1000.0, reps=(0,)), _m("idle", 900.0, reps=(3,))) is None
 
 
+def test_pool_pairs_reps_within_their_run_and_gives_runs_an_interval_of_their_own():
+    import numpy as np
+
+    from benchmarks.pool import markdown, pool
+
+    # Run 1: hidden-last at 0.9 of vanilla in every rep; run 2 at 1.0 (its vanilla 2x faster).
+    run1 = {"measurements": _m("vanilla", 1000.0, reps=(0, 1)) + _m("hidden-last", 900.0, reps=(0, 1))
+            + _m("idle", 950.0, reps=(0, 1))}
+    run2 = {"measurements": _m("vanilla", 2000.0, reps=(0, 1)) + _m("hidden-last", 2000.0, reps=(0, 1))}
+    p = pool([run1, run2], "decode-c64", "hidden-last", "vanilla")
+    assert p["runs"] == [pytest.approx(0.9), pytest.approx(1.0)]  # rep 0 of run 2 pairs in run 2
+    assert p["over_reps"]["pairs"] == 4
+    assert p["over_reps"]["value"] == pytest.approx(np.sqrt(0.9))
+    assert p["over_runs"]["pairs"] == 2
+    half = 12.706 * np.std(np.log([0.9, 1.0]), ddof=1) / np.sqrt(2)  # t, 1 degree of freedom
+    assert p["over_runs"]["ci95"] == pytest.approx([np.sqrt(0.9) * np.exp(-half),
+                                                     np.sqrt(0.9) * np.exp(half)])
+    # Against idle only where the run has it, and only for the idle engine's scenarios.
+    assert pool([run1, run2], "decode-c64", "hidden-last", "idle")["runs"] == [
+        pytest.approx(900 / 950), None]
+    assert pool([run2], "decode-c64", "idle", "vanilla") is None
+    md = markdown([run1, run2], ["a", "b"])
+    assert "| decode-c64 | hidden-last | idle | 0.947 | - |" in md
+    assert "| vanilla | idle |" not in md and "| decode-c64 | vanilla | vanilla |" not in md
+
+
 def _engine_run(tmp_path, scenarios: list[str], reps: int):
     """An ``EngineRun`` of the capture and vanilla graph engines whose generates do nothing."""
     from benchmarks.run import EngineRun

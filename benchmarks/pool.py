@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Runs of one suite pooled: each scenario's paired e2e ratio over the reps of every run, and
+over the runs.
+
+    python3 benchmarks/pool.py benchmarks/results/20261201-152532-quick-1b \\
+        benchmarks/results/20261201-153605-quick-1b benchmarks/results/20261201-154321-quick-1b
+
+A rep pairs only with the baseline's rep of the same run (``report.paired_ratio``). Pooled over
+reps, the interval counts generates. Over runs, it is the geometric mean of the runs' paired
+ratios with a t interval over runs: it counts engine starts, which is what a run-to-run shift
+(engine placement, start order, the host) needs. Both are printed, with each run's figure; the
+1B's idle engine moved from 0.916 to 1.024 between runs whose rep intervals were half as wide.
+Each scenario is given against ``vanilla`` and, for a capture engine's scenario, against ``idle``
+on the same engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import report as R  # noqa: E402
+from benchmarks.scenarios import BASELINE, IDLE  # noqa: E402
+
+
+def pool(reports: list[dict], workload: str, scenario: str, against: str) -> dict | None:
+    """``{"runs": [paired ratio of each run, or None], "over_reps": ..., "over_runs": ...}``
+    (``report.geometric_mean_interval`` dicts for the last two); None when no run has both."""
+    per_run, base_all, own_all = [], [], []
+    for i, rep in enumerate(reports):
+        ms = [m for m in rep["measurements"] if m.get("workload") == workload]
+        # Reps pair within their run only: the rep key names the run too.
+        base = [{**m, "rep": (i, m["rep"])} for m in ms if m["scenario"] == against]
+        own = [{**m, "rep": (i, m["rep"])} for m in ms if m["scenario"] == scenario]
+        paired = R.paired_ratio(base, own) if base and own else None
+        per_run.append(paired["value"] if paired else None)
+        if paired:
+            base_all += base
+            own_all += own
+    values = [v for v in per_run if v is not None]
+    if not values:
+        return None
+    return {"runs": per_run, "over_reps": R.paired_ratio(base_all, own_all),
+            "over_runs": R.geometric_mean_interval([math.log(v) for v in values])}
+
+
+def _interval_text(x: dict | None) -> str:
+    if x is None:
+        return "-"
+    ci = x["ci95"]
+    return f"{x['value']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "") + f", {x['pairs']}"
+
+
+def markdown(reports: list[dict], names: list[str]) -> str:
+    lines = ["| workload | scenario | against | " + " | ".join(names)
+             + " | over reps (95% CI), reps | over runs (95% CI), runs |",
+             "|---|---|---|" + "---|" * len(names) + "---|---|"]
+    for workload in dict.fromkeys(m["workload"] for r in reports for m in r["measurements"]):
+        scenarios = dict.fromkeys(m["scenario"] for r in reports for m in r["measurements"]
+                                  if m["workload"] == workload)
+        for scenario in scenarios:
+            engine = next(m["engine"] for r in reports for m in r["measurements"]
+                          if m["workload"] == workload and m["scenario"] == scenario)
+            idle_engine = next((m["engine"] for r in reports for m in r["measurements"]
+                                if m["workload"] == workload and m["scenario"] == IDLE), None)
+            for against in (BASELINE, IDLE):
+                if scenario == against or (against == IDLE and engine != idle_engine):
+                    continue
+                p = pool(reports, workload, scenario, against)
+                if p is None:
+                    continue
+                runs = " | ".join("-" if v is None else f"{v:.3f}" for v in p["runs"])
+                lines.append(f"| {workload} | {scenario} | {against} | {runs} "
+                             f"| {_interval_text(p['over_reps'])} | {_interval_text(p['over_runs'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="run folders (each with its results.json)")
+    args = p.parse_args()
+    reports = [json.loads((Path(r) / "results.json").read_text()) for r in args.runs]
+    suites = {(r["suite"], r["model"]) for r in reports}
+    if len(suites) > 1:
+        p.error(f"runs of different suites or models: {sorted(suites)}")
+    print(markdown(reports, [Path(r).name for r in args.runs]), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
