@@ -149,7 +149,7 @@ PY
   bench-1b-control)
     # The same with a second vanilla engine (vanilla-b, started first): how far two engines of
     # one kind sit apart in one run, against which idle's and hidden-last's ratios are read. The
-    # engines rotate over their CPU groups rep by rep; results.md gives each scenario's tok/s by
+    # engines move one CPU group every two reps; results.md gives each scenario's tok/s by
     # group. (REPS, the second argument: 50 by default; about 6.5 minutes.)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last \
       --reps ${2:-50} --budget-s 450 --grace-s 30 --out "$OUT" 2>&1 | tail -n 14

@@ -345,7 +345,7 @@ def markdown(report: dict) -> str:
         if by_cpus:
             cols = list(dict.fromkeys(c for v in by_cpus.values() for c in v))
             lines.append("")
-            lines.append("Median generate tok/s by the CPUs the engine ran on (engines rotate rep by rep):")
+            lines.append("Median generate tok/s by the CPUs the engine ran on (engines move one group every two reps):")
             lines.append("")
             lines.append("| scenario | " + " | ".join(cols) + " |")
             lines.append("|---|" + "---|" * len(cols))

@@ -413,9 +413,10 @@ def cpu_groups(cores: list[list[int]], groups: int, max_cores: int = 4) -> list[
 
 
 def rotated_cpus(engines: list[str], groups: list[list[int]], rep: int) -> dict[str, list[int]]:
-    """The CPU set of each engine in ``rep``: the engines move one group on every rep, so over
-    ``len(groups)`` reps each ran on every group once, and no engine's ratio is its cores'."""
-    return {e: groups[(i + rep) % len(groups)] for i, e in enumerate(engines)}
+    """The CPU set of each engine in ``rep``: the engines move one group every two reps, so each
+    runs on every group, and no engine's ratio is its cores'. Two reps a group, because the
+    order of a rep's scenarios flips every rep: each group sees an engine in both orders."""
+    return {e: groups[(i + rep // 2) % len(groups)] for i, e in enumerate(engines)}
 
 
 def plan_group(suite: Suite, shape: ModelShape, engines: list[str]):

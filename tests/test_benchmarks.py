@@ -177,12 +177,14 @@ def test_pin_moves_every_thread_of_a_process_onto_its_cpus():
 def test_engines_rotate_over_the_cpu_groups_rep_by_rep():
     groups = [[4, 5], [6, 7], [8, 9]]
     engines = ["capture-graph", "vanilla-graph", "vanilla-graph-b"]
-    placed = [S.rotated_cpus(engines, groups, rep) for rep in range(3)]
+    placed = [S.rotated_cpus(engines, groups, rep) for rep in range(6)]
     for cpus in placed:  # every rep: each engine on a group of its own
         assert sorted(map(tuple, cpus.values())) == sorted(map(tuple, groups))
-    for e in engines:  # over as many reps as groups: each engine on every group once
-        assert sorted(tuple(cpus[e]) for cpus in placed) == sorted(map(tuple, groups))
-    assert S.rotated_cpus(engines, groups, 3) == placed[0]
+    for e in engines:  # over twice as many reps as groups: each engine on every group, in a
+        # forward (even) rep and in a reversed (odd) one
+        assert sorted(tuple(placed[rep][e]) for rep in range(0, 6, 2)) == sorted(map(tuple, groups))
+        assert sorted(tuple(placed[rep][e]) for rep in range(1, 6, 2)) == sorted(map(tuple, groups))
+    assert S.rotated_cpus(engines, groups, 6) == placed[0]
 
 
 def test_engines_table_names_the_cpus_of_pinned_engines():
@@ -410,7 +412,7 @@ def test_reps_run_scenarios_forward_then_backward(tmp_path):
 
 
 def test_each_measurement_names_the_cpus_its_engine_ran_on(tmp_path):
-    run = _engine_run(tmp_path, ["vanilla", "idle"], reps=3)
+    run = _engine_run(tmp_path, ["vanilla", "idle"], reps=4)
     run.measure = lambda s, w, rep: {"type": "measure", "scenario": s.name, "rep": rep}
     run.engine_pids = {"capture-graph": [], "vanilla-graph": []}
     run.engine_cpu_groups = [[4, 5], [6, 7]]
@@ -418,8 +420,9 @@ def test_each_measurement_names_the_cpus_its_engine_ran_on(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     placed = [(e["rep"], e["scenario"], e["cpus"]) for e in events if e["type"] == "measure"]
     assert placed == [(0, "vanilla", [6, 7]), (0, "idle", [4, 5]),
-                      (1, "idle", [6, 7]), (1, "vanilla", [4, 5]),
-                      (2, "vanilla", [6, 7]), (2, "idle", [4, 5])]
+                      (1, "idle", [4, 5]), (1, "vanilla", [6, 7]),
+                      (2, "vanilla", [4, 5]), (2, "idle", [6, 7]),
+                      (3, "idle", [6, 7]), (3, "vanilla", [4, 5])]
     # Not pinned: no CPUs named.
     run.engine_cpu_groups = []
     assert run.place(0) == {}
