@@ -392,7 +392,7 @@ def engine_groups(suite: Suite, shape: ModelShape) -> list[list[str]]:
     # (session 16: the engine started first, capture's, read 0.95-0.98 idle; the control, third,
     # 0.996 and 1.023).
     graph = sorted((e for e in engines if not ENGINES[e].eager),
-                   key=lambda e: (e != "vanilla-graph-b", not ENGINES[e].capture))
+                   key=lambda e: (e != SCENARIOS[CONTROL].engine, not ENGINES[e].capture))
     if (suite.side_by_side and len(graph) > 1
             and shape.weight_bytes <= SIDE_BY_SIDE_MAX_WEIGHT_BYTES):
         return [graph] + [[e] for e in engines if e not in graph]
