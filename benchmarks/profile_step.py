@@ -6,8 +6,9 @@
 
 Runs the quick suite's decode workload (64 prompts x 32 tokens, 256 new tokens) on one capture
 engine (CUDA graphs), or with ``--engine vanilla`` on a plain ``vllm.LLM`` (scenario ``vanilla``:
-what the idle engine's step is compared with), in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees
-the scheduler, the worker and our hooks together. For each scenario (by default capture idle,
+what the idle engine's step is compared with), in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees the scheduler, the worker and our
+hooks together. For each scenario (by default capture idle,
 last-token hidden states of all layers, all positions of 4 layers; any graph scenario of the suite
 by name) it times plain generates and their fetches, then profiles one and writes the CPU-side
 operator table (host syncs, pinned allocations, copies, kernel launches) to
@@ -44,17 +45,22 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--engine", default="capture", choices=("capture", "vanilla"))
-    p.add_argument("--scenarios", default="idle,hidden-last,hidden-4l",
-                   help="comma list: idle, or scenarios of the suite on the capture-graph engine "
-                        "(with --engine vanilla: vanilla only)")
+    p.add_argument("--scenarios", help="comma list: idle, or scenarios of the suite on the "
+                   "capture-graph engine (default idle,hidden-last,hidden-4l; a vanilla engine "
+                   "runs vanilla only)")
     args = p.parse_args()
     capture = args.engine == "capture"
-    names = args.scenarios.split(",") if capture else [S.BASELINE]
-    bad = [n for n in names if n not in ("idle", S.BASELINE) and (
-        n not in S.SCENARIOS or S.SCENARIOS[n].capture is None
-        or S.SCENARIOS[n].engine != "capture-graph")]
-    if bad:
-        p.error(f"--scenarios: not a capture-graph scenario: {', '.join(bad)}")
+    if capture:
+        names = (args.scenarios or "idle,hidden-last,hidden-4l").split(",")
+        bad = [n for n in names if n != S.IDLE and (
+            n not in S.SCENARIOS or S.SCENARIOS[n].capture is None
+            or S.SCENARIOS[n].engine != "capture-graph")]
+        if bad:
+            p.error(f"--scenarios: not a capture-graph scenario: {', '.join(bad)}")
+    elif args.scenarios:
+        p.error("--scenarios: a vanilla engine runs the vanilla scenario only")
+    else:
+        names = [S.BASELINE]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from torch.autograd import DeviceType

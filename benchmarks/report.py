@@ -102,8 +102,8 @@ def aggregate(reps: list[dict]) -> dict:
         # Single generates fall into a slow or a fast mode on the H200 host (engine_order.py):
         # best against best compares like with like once each side has one fast rep.
         "tok_s_best": max((r["generated_tokens"] / r["gen_s"] for r in reps), default=None),
-        # Pinned side by side, the engines rotate over CPU groups rep by rep: a group's own speed
-        # shows as the same column slower for every engine.
+        # Pinned side by side, the engines move between CPU groups (every two reps): a group's
+        # own speed shows as the same column slower for every engine.
         "tok_s_by_cpus": _by_cpus(reps),
         "rows": _median(per_rep(lambda r: r.get("rows", 0))),
         "positions": _median(per_rep(lambda r: r.get("positions", 0))),
