@@ -65,11 +65,11 @@ def markdown(reports: list[dict], names: list[str]) -> str:
     for workload in dict.fromkeys(m["workload"] for r in reports for m in r["measurements"]):
         scenarios = dict.fromkeys(m["scenario"] for r in reports for m in r["measurements"]
                                   if m["workload"] == workload)
+        idle_engine = next((m["engine"] for r in reports for m in r["measurements"]
+                            if m["workload"] == workload and m["scenario"] == IDLE), None)
         for scenario in scenarios:
             engine = next(m["engine"] for r in reports for m in r["measurements"]
                           if m["workload"] == workload and m["scenario"] == scenario)
-            idle_engine = next((m["engine"] for r in reports for m in r["measurements"]
-                                if m["workload"] == workload and m["scenario"] == IDLE), None)
             for against in (BASELINE, IDLE):
                 if scenario == against or (against == IDLE and engine != idle_engine):
                     continue
