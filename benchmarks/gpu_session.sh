@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | ablation | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -70,6 +70,15 @@ case "$SET" in
     grep -hE "^(vanilla|idle|hidden|heads|heavy|router)" "$OUT/profile_vanilla.log" "$OUT/profile.log" | cut -c1-700
     mv "$OUT/profile_vanilla.log" /tmp/profile/ 2>/dev/null
     cp "$OUT/profile.log" /tmp/profile/ 2>/dev/null; tar czf "$OUT/profile.tgz" -C /tmp profile && rm -f "$OUT/profile.log"
+    ;;
+  ablation)
+    # A row stream's step time split between the step path and the harvest thread's store
+    # (benchmarks/harvest_ablation.py: idle, hidden-last, hidden-4l, hidden-4l with its drained
+    # rows dropped), one in-process engine on CPUs 4-7. (REPS, the second argument: 8 by default;
+    # about 3 minutes.)
+    timeout 400 taskset -c 4-7 python3 benchmarks/harvest_ablation.py --model 1b --out "$OUT" \
+      --reps ${2:-8} >"$OUT/ablation.log" 2>&1; echo "ablation rc=$?"
+    grep -E "^(idle|hidden)" "$OUT/ablation.log" | cut -c1-900
     ;;
   extract)
     # The main job's throughput (issue 6): Llama-3.2-1B shape (dummy weights), 4,096 prompts of
@@ -147,12 +156,13 @@ PY
       --budget-s 500 --grace-s 30 --out "$OUT" 2>&1 | tail -n 12
     ;;
   bench-1b-control)
-    # The same with a second vanilla engine (vanilla-b, started first): how far two engines of
-    # one kind sit apart in one run, against which idle's and hidden-last's ratios are read. The
-    # engines move one CPU group every two reps; results.md gives each scenario's tok/s by
-    # group. (REPS, the second argument: 50 by default; about 6.5 minutes.)
-    python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last \
-      --reps ${2:-50} --budget-s 450 --grace-s 30 --out "$OUT" 2>&1 | tail -n 14
+    # The 1B's graph targets with a second vanilla engine (vanilla-b, started first): how far
+    # two engines of one kind sit apart in one run, against which idle's, hidden-last's and
+    # hidden-4l's ratios are read. The engines move one CPU group every two reps; results.md
+    # gives each scenario's tok/s by group. (REPS, the second argument: 50 by default; about
+    # 5.5 minutes.)
+    python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
+      --reps ${2:-50} --budget-s 470 --grace-s 30 --out "$OUT" 2>&1 | tail -n 15
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Where a row stream's step time goes: the step path, or the harvest thread's store beside it.
+
+    python3 benchmarks/harvest_ablation.py --model 1b --out /tmp/out [--reps 8]
+
+One capture engine with CUDA graphs, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
+``profile_step.py``), runs the quick suite's decode workload rep after rep, each rep going
+through these cases in turn (every other rep in reverse order):
+
+- ``idle``: no stream;
+- ``hidden-last``: last-token hidden states of all layers (no rows drained while it runs);
+- ``hidden-4l``: all positions of 4 layers, as shipped;
+- ``hidden-4l-nostore``: the same, but the harvest thread only waits for each drain's copy and
+  drops its rows: no grouping, no store append, no fetch. What it gains on ``hidden-4l`` is what
+  the harvest thread's store costs the step (the GIL and the host's cores it shares); what
+  remains against ``idle`` is the step path and the device's copies.
+
+Each case's generates are timed and paired with ``idle``'s of the same rep (geometric mean of
+the ratios, 95% interval), with the capture's host timers per step. The summary goes to
+``OUT/harvest_ablation.json``; one line per case is printed. A diagnostic: a dropped row is
+never what the product does, so the patch lives here and only ``hidden-4l-nostore`` turns it on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import report as R  # noqa: E402
+from benchmarks import scenarios as S  # noqa: E402
+from benchmarks.run import Prompts, prepare_model  # noqa: E402
+
+CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
+NOSTORE = "-nostore"
+
+
+def drop_stores(on: dict):
+    """Patch the harvest thread's store: while ``on["drop"]``, wait for each drain's copy and
+    drop its rows (finish markers and reductions are stored as usual)."""
+    from vllm_capture.session import session as session_module
+
+    store_batch = session_module.CaptureSession._store_batch
+
+    def store_or_drop(self, batch):
+        if not on["drop"]:
+            return store_batch(self, batch)
+        kept = []
+        for item in batch:
+            if isinstance(item, session_module._Drained):
+                self._wait_copy(item.rows)
+            else:
+                kept.append(item)
+        return store_batch(self, kept)
+
+    session_module.CaptureSession._store_batch = store_or_drop
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--reps", type=int, default=8)
+    args = p.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import SamplingParams
+
+    import vllm_capture as vc
+    from vllm_capture import api
+
+    dropping = {"drop": False}
+    drop_stores(dropping)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = S.MODELS[args.model]
+    suite = S.make_suite("quick", args.model)
+    w = suite.workloads[0]
+    model_dir = prepare_model(shape, Path(tempfile.mkdtemp(prefix="vllm-capture-ablation-")))
+    llm = vc.LLM(str(model_dir), **S.engine_kwargs(suite, shape, "capture-graph"))
+    params = SamplingParams(max_tokens=w.new_tokens, ignore_eos=True, temperature=0.0,
+                            detokenize=False)
+    prompts = Prompts(shape.vocab)
+    llm.generate(prompts.make(w), params, use_tqdm=False)
+
+    def timers() -> dict:
+        return api.capture_status(llm, S.HIDDEN)["host_timers"]
+
+    def generate(case: str) -> dict:
+        cap = None if case == S.IDLE else S.SCENARIOS[case.removesuffix(NOSTORE)].capture
+        dropping["drop"] = case.endswith(NOSTORE)
+        before = timers()
+        if cap is not None:
+            api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
+        t = time.perf_counter()
+        llm.generate(prompts.make(w), params, use_tqdm=False)
+        gen_s = time.perf_counter() - t
+        fetch_s = None
+        if cap is not None:
+            if not dropping["drop"]:
+                t = time.perf_counter()
+                api.fetch_captured(llm, cap.stream, clear=True)
+                fetch_s = time.perf_counter() - t
+            api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
+        after = timers()
+        dropping["drop"] = False
+        return {"gen_s": gen_s, "fetch_s": fetch_s,
+                "timers": {k: after[k] - before[k] for k in after}}
+
+    runs: dict[str, list[dict]] = {c: [] for c in CASES}
+    for rep in range(args.reps):
+        for case in (CASES if rep % 2 == 0 else CASES[::-1]):
+            runs[case].append(generate(case))
+    summary = {}
+    for case, reps in runs.items():
+        steps = max(1.0, statistics.median(r["timers"].get("steps", 0) for r in reps))
+        per_step = {k: round(statistics.median(r["timers"][k] for r in reps) / steps, 4)
+                    for k in ("begin_step_ms", "end_step_ms", "harvest_ms", "harvest_sync_ms",
+                              "harvest_cpu_ms")}
+        logs = [math.log(runs[S.IDLE][i]["gen_s"] / r["gen_s"]) for i, r in enumerate(reps)]
+        fetches = [r["fetch_s"] for r in reps if r["fetch_s"] is not None]
+        summary[case] = {
+            "tok_s": round(w.generated_tokens / statistics.median(r["gen_s"] for r in reps)),
+            "vs_idle": R.geometric_mean_interval(logs),
+            "fetch_s": round(statistics.median(fetches), 4) if fetches else None,
+            "host_ms_per_step": per_step, "gen_s": [round(r["gen_s"], 4) for r in reps]}
+        print(case, json.dumps(summary[case]), flush=True)
+    (out / "harvest_ablation.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
