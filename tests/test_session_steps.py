@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 import vllm_capture.session.config as config_module
 from tests.select_reference import selected as reference_selected
 from tests.test_selection_spec import select_specs
-from vllm_capture.capture_graph.state import STAGING_SLOTS, CaptureGraphState, PlanStaging
+from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.kernels import layout as L
 from vllm_capture.selection import SelectSpec, StepBuffers
 from vllm_capture.session.session import HARVEST_IDLE_S, CaptureSession
@@ -1550,24 +1550,6 @@ def test_a_step_repeating_the_last_plan_uploads_nothing(reduce):
     assert len(steps) == 4
     assert steps == ([1, 1, 1, 1] if reduce == "all" else [1, 0, 0, 0])
     _check_fetched(engine, ref, reduce, (a, b))
-
-
-def test_plan_uploads_take_the_staging_slots_in_turn():
-    """Each upload goes through the next slot (pinned on CUDA, where a slot is rewritten only
-    after the copy that read it): the device holds exactly the last image, whatever its length,
-    and the slots written before it keep theirs until their turn comes round."""
-    staging = PlanStaging.new(64, torch.device("cpu"))
-    target = torch.full((64,), -1, dtype=torch.int32)
-    rng = np.random.default_rng(0)
-    images = [rng.integers(0, 1 << 20, size=n, dtype=np.int32)
-              for n in (64, 5, 33, 1, 64, 17, 2 * STAGING_SLOTS)]
-    for k, image in enumerate(images):
-        staging.upload(image, target[:image.size])
-        assert np.array_equal(target[:image.size].numpy(), image)
-        assert staging.turn == (k + 1) % STAGING_SLOTS
-        for back in range(min(k + 1, STAGING_SLOTS)):
-            earlier = images[k - back]
-            assert np.array_equal(staging.slots[(k - back) % STAGING_SLOTS][:earlier.size], earlier)
 
 
 @pytest.mark.parametrize("reduce", ["all", "mean"])

@@ -68,45 +68,6 @@ class RingGroup:
     enabled_index: torch.Tensor | None = None
 
 
-# Host images a plan is uploaded from, used in turn (see PlanStaging).
-STAGING_SLOTS = 4
-
-
-@dataclass
-class PlanStaging:
-    """Host images that plan uploads are copied from, used in turn.
-
-    On CUDA they are pinned, so a step's upload neither allocates pinned memory nor blocks the
-    host; a slot is written again only once the copy that read it has run (its event), which at
-    steady decode it has long done: the device runs a step or two behind the host, not four.
-    On the CPU the copy is synchronous and there are no events.
-    """
-
-    slots: list[np.ndarray]  # host views of ``tensors``
-    tensors: list[torch.Tensor]
-    events: list | None  # a torch.cuda.Event per slot; None on the CPU
-    turn: int = 0
-
-    @classmethod
-    def new(cls, numel: int, device: torch.device, count: int = STAGING_SLOTS) -> PlanStaging:
-        cuda = device.type == "cuda"
-        tensors = [torch.zeros(numel, dtype=torch.int32, pin_memory=cuda) for _ in range(count)]
-        events = [torch.cuda.Event() for _ in range(count)] if cuda else None
-        return cls([t.numpy() for t in tensors], tensors, events)
-
-    def upload(self, image: np.ndarray, target: torch.Tensor) -> None:
-        """Copy ``image`` (a host int32 array) to the device tensor ``target`` of its size."""
-        i = self.turn
-        self.turn = (i + 1) % len(self.slots)
-        n = image.size
-        if self.events is not None:
-            self.events[i].synchronize()  # the copy that last read this slot
-        self.slots[i][:n] = image
-        target.copy_(self.tensors[i][:n], non_blocking=self.events is not None)
-        if self.events is not None:
-            self.events[i].record()
-
-
 @dataclass
 class StreamPlanBuffers:
     """Per-component plan, shared by all of its sites: one H2D copy per step."""
@@ -115,7 +76,6 @@ class StreamPlanBuffers:
     meta: torch.Tensor  # view: int32 [META_SIZE]
     plan: torch.Tensor  # view: int32 [PLAN_FIELDS, capacity], entry-major
     host: np.ndarray  # the host image of ``buffer``
-    staging: PlanStaging
     mode: int = L.MODE_OFF
     count: int = 0
     # The bytes of the prefix of ``host`` that ``buffer`` holds (None: unknown, or switched off).
@@ -217,7 +177,6 @@ class CaptureGraphState:
                 meta=buf[: L.META_FIELDS],
                 plan=L.plan_view(buf[L.META_FIELDS:]),
                 host=np.zeros(buf.numel(), dtype=np.int32),
-                staging=PlanStaging.new(buf.numel(), self.device),
             )
             nbytes += buf.numel() * 4
             shapes: dict[tuple[int, torch.dtype], list[Site]] = {}
@@ -393,7 +352,13 @@ class CaptureGraphState:
         image = host[:used].tobytes()  # a bytes compare: a tenth of np.array_equal's time
         if image == buf.on_device:
             return
-        buf.staging.upload(host[:used], buf.buffer[:used])
+        if self.device.type == "cuda":
+            # A fresh pinned tensor per step: the caching host allocator keeps it alive until
+            # the non-blocking copy has run, so the step never waits for the copy.
+            staged = torch.from_numpy(host[:used]).pin_memory()
+            buf.buffer[:used].copy_(staged, non_blocking=True)
+        else:
+            buf.buffer[:used].copy_(torch.from_numpy(host[:used]))
         buf.on_device = image
         self.plan_uploads += 1
 
