@@ -1,11 +1,10 @@
 #!/usr/bin/env python3
 """Where a row stream's step time goes: the step path, or the harvest thread's store beside it.
 
-    python3 benchmarks/harvest_ablation.py --model 1b --out /tmp/out [--reps 8]
+    python3 benchmarks/harvest_ablation.py --model 1b --out /tmp/out [--reps 8] [--in-process]
 
-One capture engine with CUDA graphs, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
-``profile_step.py``), runs the quick suite's decode workload rep after rep, each rep going
-through these cases in turn (every other rep in reverse order):
+One capture engine with CUDA graphs runs the quick suite's decode workload rep after rep, each
+rep going through these cases in turn (every other rep in reverse order):
 
 - ``idle``: no stream;
 - ``hidden-last``: last-token hidden states of all layers (no rows drained while it runs);
@@ -15,10 +14,18 @@ through these cases in turn (every other rep in reverse order):
   the harvest thread's store costs the step (the GIL and the host's cores it shares); what
   remains against ``idle`` is the step path and the device's copies.
 
+By default the engine runs as in the benchmark: its engine core in a process of its own, forked
+from this one (so the patch below is in it too), pinned to CPUs 4-7 with this client on 0-3 when
+the host has 8 or more. ``--in-process`` runs it in this process instead
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``profile_step.py``): no engine-core threads and no
+client process beside it, which on the H200 (session 17) hid most of what hidden-4l costs.
+
 Each case's generates are timed and paired with ``idle``'s of the same rep (geometric mean of
 the ratios, 95% interval), with the capture's host timers per step. The summary goes to
 ``OUT/harvest_ablation.json``; one line per case is printed. A diagnostic: a dropped row is
-never what the product does, so the patch lives here and only ``hidden-4l-nostore`` turns it on.
+never what the product does, so the patch lives here, switched on by a flag file that only
+``hidden-4l-nostore`` creates; that its rows were dropped is checked (none stored), so a patch
+that did not reach the engine process fails the run instead of passing for a store.
 """
 
 from __future__ import annotations
@@ -39,21 +46,23 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
-from benchmarks.run import Prompts, prepare_model  # noqa: E402
+from benchmarks.run import Prompts, descendants, pin, prepare_model  # noqa: E402
 
 CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
 NOSTORE = "-nostore"
 
 
-def drop_stores(on: dict):
-    """Patch the harvest thread's store: while ``on["drop"]``, wait for each drain's copy and
-    drop its rows (finish markers and reductions are stored as usual)."""
+def drop_stores(flag: Path) -> None:
+    """Patch the harvest thread's store: while ``flag`` exists, wait for each drain's copy and
+    drop its rows (finish markers and reductions are stored as usual). Patched before the engine
+    starts, so that its forked engine core has it too; a file, so that this client can switch it
+    in that process."""
     from vllm_capture.session import session as session_module
 
     store_batch = session_module.CaptureSession._store_batch
 
     def store_or_drop(self, batch):
-        if not on["drop"]:
+        if not flag.exists():
             return store_batch(self, batch)
         kept = []
         for item in batch:
@@ -71,16 +80,18 @@ def main() -> int:
     p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--in-process", action="store_true")
     args = p.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm import SamplingParams
 
     import vllm_capture as vc
     from vllm_capture import api
 
-    dropping = {"drop": False}
-    drop_stores(dropping)
+    flag = Path(tempfile.mkdtemp(prefix="vllm-capture-ablation-flag-")) / "drop"
+    drop_stores(flag)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = S.MODELS[args.model]
@@ -91,6 +102,11 @@ def main() -> int:
     params = SamplingParams(max_tokens=w.new_tokens, ignore_eos=True, temperature=0.0,
                             detokenize=False)
     prompts = Prompts(shape.vocab)
+    cpus = {}
+    if not args.in_process and len(os.sched_getaffinity(0)) >= 8:
+        cpus = {"client": [0, 1, 2, 3], "engine": [4, 5, 6, 7]}
+        pin([os.getpid()], cpus["client"])
+        pin(descendants(os.getpid()), cpus["engine"])
     llm.generate(prompts.make(w), params, use_tqdm=False)
 
     def timers() -> dict:
@@ -98,7 +114,9 @@ def main() -> int:
 
     def generate(case: str) -> dict:
         cap = None if case == S.IDLE else S.SCENARIOS[case.removesuffix(NOSTORE)].capture
-        dropping["drop"] = case.endswith(NOSTORE)
+        drop = case.endswith(NOSTORE)
+        if drop:
+            flag.touch()
         before = timers()
         if cap is not None:
             api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
@@ -107,13 +125,19 @@ def main() -> int:
         gen_s = time.perf_counter() - t
         fetch_s = None
         if cap is not None:
-            if not dropping["drop"]:
+            stored = api.capture_status(llm, cap.stream)["tokens_stored"]
+            # A row stream stores what it drained during the generate (reductions wait for
+            # the fetch).
+            if cap.reduce == "all" and drop != (stored == 0):
+                raise SystemExit(f"{case}: {stored} rows stored; the store patch "
+                                 f"{'did not reach' if drop else 'dropped rows of'} the engine")
+            if not drop:
                 t = time.perf_counter()
                 api.fetch_captured(llm, cap.stream, clear=True)
                 fetch_s = time.perf_counter() - t
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
         after = timers()
-        dropping["drop"] = False
+        flag.unlink(missing_ok=True)
         return {"gen_s": gen_s, "fetch_s": fetch_s,
                 "timers": {k: after[k] - before[k] for k in after}}
 
@@ -135,6 +159,7 @@ def main() -> int:
             "fetch_s": round(statistics.median(fetches), 4) if fetches else None,
             "host_ms_per_step": per_step, "gen_s": [round(r["gen_s"], 4) for r in reps]}
         print(case, json.dumps(summary[case]), flush=True)
+    summary["cpus"] = cpus
     (out / "harvest_ablation.json").write_text(json.dumps(summary, indent=1))
     return 0
 

@@ -381,6 +381,24 @@ def test_pool_pairs_reps_within_their_run_and_gives_runs_an_interval_of_their_ow
     assert "| vanilla | idle |" not in md and "| decode-c64 | vanilla | vanilla |" not in md
 
 
+def test_pool_splits_reps_run_forward_from_reps_run_reversed():
+    """Even reps ran the scenarios in the order given, odd reps reversed: each order's reps pool
+    apart (here hidden-last reads 0.9 forward and 1.1 reversed, in both runs)."""
+    from benchmarks.pool import markdown, pool
+
+    def run(scale):
+        return {"measurements": _m("vanilla", 1000.0 * scale, reps=(0, 1, 2, 3))
+                + _m("hidden-last", 900.0 * scale, reps=(0, 2))
+                + _m("hidden-last", 1100.0 * scale, reps=(1, 3))}
+
+    p = pool([run(1.0), run(2.0)], "decode-c64", "hidden-last", "vanilla")
+    assert p["forward"]["value"] == pytest.approx(0.9) and p["forward"]["pairs"] == 4
+    assert p["reversed"]["value"] == pytest.approx(1.1) and p["reversed"]["pairs"] == 4
+    assert p["over_reps"]["value"] == pytest.approx((0.9 * 1.1) ** 0.5)
+    assert "| 0.900 (0.900-0.900), 4 | 1.100 (1.100-1.100), 4 |" in markdown([run(1.0), run(2.0)],
+                                                                          ["a", "b"])
+
+
 def _engine_run(tmp_path, scenarios: list[str], reps: int):
     """An ``EngineRun`` of the capture and vanilla graph engines whose generates do nothing."""
     from benchmarks.run import EngineRun
