@@ -21,7 +21,9 @@ the host has 8 or more. ``--in-process`` runs it in this process instead
 client process beside it, which on the H200 (session 17) hid most of what hidden-4l costs.
 
 Each case's generates are timed and paired with ``idle``'s of the same rep (geometric mean of
-the ratios, 95% interval), with the capture's host timers per step. The summary goes to
+the ratios, 95% interval), with the capture's host timers per step, and their median tok/s by the
+case that ran just before (``tok_s_after``: in the benchmark's 1B runs, idle read 6% lower
+against vanilla in the reps where it followed a capture). The summary goes to
 ``OUT/harvest_ablation.json``; one line per case is printed. A diagnostic: a dropped row is
 never what the product does, so the patch lives here, switched on by a flag file that only
 ``hidden-4l-nostore`` creates; that its rows were dropped is checked (none stored), so a patch
@@ -142,9 +144,11 @@ def main() -> int:
                 "timers": {k: after[k] - before[k] for k in after}}
 
     runs: dict[str, list[dict]] = {c: [] for c in CASES}
+    previous = S.IDLE  # the warm-up generate
     for rep in range(args.reps):
         for case in (CASES if rep % 2 == 0 else CASES[::-1]):
-            runs[case].append(generate(case))
+            runs[case].append({**generate(case), "after": previous})
+            previous = case
     summary = {}
     for case, reps in runs.items():
         steps = max(1.0, statistics.median(r["timers"].get("steps", 0) for r in reps))
@@ -155,6 +159,10 @@ def main() -> int:
         fetches = [r["fetch_s"] for r in reps if r["fetch_s"] is not None]
         summary[case] = {
             "tok_s": round(w.generated_tokens / statistics.median(r["gen_s"] for r in reps)),
+            # Whether a generate runs slower right after a capture than after idle.
+            "tok_s_after": {after: round(w.generated_tokens / statistics.median(
+                r["gen_s"] for r in reps if r["after"] == after))
+                for after in dict.fromkeys(r["after"] for r in reps)},
             "vs_idle": R.geometric_mean_interval(logs),
             "fetch_s": round(statistics.median(fetches), 4) if fetches else None,
             "host_ms_per_step": per_step, "gen_s": [round(r["gen_s"], 4) for r in reps]}
