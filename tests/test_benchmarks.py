@@ -355,6 +355,44 @@ def test_paired_ratio_pairs_reps_and_gives_a_t_interval():
     assert R.paired_ratio(_m("vanilla", 1000.0, reps=(0,)), _m("idle", 900.0, reps=(3,))) is None
 
 
+def test_a_rep_of_several_generates_pairs_as_its_tokens_over_its_seconds():
+    """``run.py --block 2``: each rep holds two generates of a scenario. A rep's pair is the
+    block's tokens over the block's seconds (the fetches too), not one generate, nor the mean of
+    the two generates' tok/s."""
+    # Rep 0: vanilla 1 s + 3 s for 2,000 tokens (500 tok/s); capture 1 s + 1 s, a 2 s fetch
+    # after the second (500 tok/s e2e). Rep 1: vanilla 2 s + 2 s; capture 2 s + 6 s (250 tok/s).
+    def gen(scenario, rep, gen_s, fetch_s=0.0):
+        return {"scenario": scenario, "rep": rep, "gen_s": gen_s, "fetch_s": fetch_s,
+                "generated_tokens": 1000}
+
+    base = [gen("vanilla", 0, 1.0), gen("vanilla", 0, 3.0), gen("vanilla", 1, 2.0),
+            gen("vanilla", 1, 2.0)]
+    own = [gen("hidden-last", 0, 1.0), gen("hidden-last", 0, 1.0, fetch_s=2.0),
+           gen("hidden-last", 1, 2.0), gen("hidden-last", 1, 6.0)]
+    paired = R.paired_ratio(base, own)
+    assert paired["pairs"] == 2
+    assert paired["value"] == pytest.approx((1.0 * 0.5) ** 0.5)
+
+
+def test_a_block_runs_a_scenario_several_times_in_a_row(tmp_path):
+    run = _engine_run(tmp_path, ["vanilla", "idle"], reps=2)
+    run.job["block"] = 2
+    order = []
+    run.measure = lambda s, w, rep: order.append((rep, s.name)) or {"type": "measure"}
+    run.run()
+    assert order == [(0, "vanilla"), (0, "vanilla"), (0, "idle"), (0, "idle"),
+                     (1, "idle"), (1, "idle"), (1, "vanilla"), (1, "vanilla")]
+
+
+def test_block_must_be_a_number_of_generates():
+    from benchmarks.run import parse_args
+
+    assert parse_args(["--block", "3"]).block == 3
+    assert parse_args([]).block == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--block", "0"])
+
+
 def test_pool_pairs_reps_within_their_run_and_gives_runs_an_interval_of_their_own():
     import numpy as np
 
