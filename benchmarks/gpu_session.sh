@@ -160,7 +160,7 @@ PY
     # two engines of one kind sit apart in one run, against which idle's, hidden-last's and
     # hidden-4l's ratios are read. The engines move one CPU group every two reps; results.md
     # gives each scenario's tok/s by group. Each scenario runs two generates in a row (--block
-    # 2): a generate right after a capture's fetch ran up to 10% slower, whichever engine it was
+    # 2): a generate right after a capture's fetch ran up to 11% slower, whichever engine it was
     # on (session 17), and a block puts most of that on the capture's own generates. (REPS, the
     # second argument: 25 by default, 50 generates a scenario; about 5.5 minutes.)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \

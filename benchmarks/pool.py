@@ -13,8 +13,8 @@ ratios with a t interval over runs: it counts engine starts, which is what a run
 Each scenario is given against ``vanilla`` and, for a capture engine's scenario, against ``idle``
 on the same engine. The last two columns pool the reps that ran the scenarios in the order given
 (even reps) and reversed (odd reps) apart: a generate can run faster or slower for what ran just
-before it, which the alternation cancels in the pooled figure but these columns show (on the 1B,
-up to 9% apart).
+before it, which the alternation evens out in the pooled figure but these columns show (the 1B's
+idle against vanilla, over nine runs: 1.006 forward, 0.948 reversed).
 """
 
 from __future__ import annotations
