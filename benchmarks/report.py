@@ -88,6 +88,16 @@ def _by_cpus(reps: list[dict]) -> dict[str, float]:
     return {_cpus(list(k)): _median(v) for k, v in sorted(groups.items())}
 
 
+def _by_after(reps: list[dict]) -> dict[str, float]:
+    """Median generate tok/s by the scenario whose generate ran just before (``{}`` when the
+    measurements do not say)."""
+    groups: dict[str, list[float]] = {}
+    for r in reps:
+        if r.get("after"):
+            groups.setdefault(r["after"], []).append(r["generated_tokens"] / r["gen_s"])
+    return {after: _median(v) for after, v in groups.items()}
+
+
 def aggregate(reps: list[dict]) -> dict:
     """Medians over the reps of one (engine, workload, scenario)."""
     def per_rep(fn):
@@ -114,6 +124,7 @@ def aggregate(reps: list[dict]) -> dict:
         # Pinned side by side, the engines move between CPU groups (every two reps): a group's
         # own speed shows as the same column slower for every engine.
         "tok_s_by_cpus": _by_cpus(reps),
+        "tok_s_by_after": _by_after(reps),
         "rows": _median(per_rep(lambda r: r.get("rows", 0))),
         "positions": _median(per_rep(lambda r: r.get("positions", 0))),
         "bytes": _median(per_rep(lambda r: r.get("bytes", 0))),
@@ -363,6 +374,17 @@ def markdown(report: dict) -> str:
             lines.append("|---|" + "---|" * len(cols))
             lines.extend(f"| {name} | " + " | ".join(_f(v.get(c), "{:.0f}") for c in cols) + " |"
                          for name, v in by_cpus.items())
+        by_after = {name: a["tok_s_by_after"] for name, a in rows.items() if a.get("tok_s_by_after")}
+        if by_after:
+            cols = [c for c in rows if any(c in v for v in by_after.values())]
+            lines.append("")
+            lines.append("Median generate tok/s by the scenario that ran just before (a capture's "
+                         "fetch can slow the next generate, on any engine):")
+            lines.append("")
+            lines.append("| scenario | after " + " | after ".join(cols) + " |")
+            lines.append("|---|" + "---|" * len(cols))
+            lines.extend(f"| {name} | " + " | ".join(_f(v.get(c), "{:.0f}") for c in cols) + " |"
+                         for name, v in by_after.items())
     lines.append("")
     lines.append("## Engines")
     lines.append("")

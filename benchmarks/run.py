@@ -408,6 +408,7 @@ class EngineRun:
             if i > 0 and not S.workload_fits(time.time(), deadline, warm * 1.5, generates):
                 self._skip(w, ready, f"time budget: {generates} generates of ~{warm:.1f} s do not fit")
                 continue
+            previous = None  # the scenario of the generate before (the warm-ups' do not count)
             for rep in range(self.job["reps"]):
                 if time.time() > hard:
                     self._skip(w, ready, f"time budget spent after {rep} rep(s)")
@@ -421,7 +422,9 @@ class EngineRun:
                 for s in list(ready if rep % 2 == 0 else ready[::-1]):
                     try:
                         for _ in range(block):
-                            self.emit(s.engine, **self.measure(s, w, rep), cpus=cpus.get(s.engine))
+                            after, previous = previous, s.name
+                            self.emit(s.engine, **self.measure(s, w, rep), cpus=cpus.get(s.engine),
+                                      after=after)
                     except Exception as exc:  # noqa: BLE001 - one scenario's failure is a result
                         traceback.print_exc()
                         ready.remove(s)

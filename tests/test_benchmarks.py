@@ -375,13 +375,30 @@ def test_a_rep_of_several_generates_pairs_as_its_tokens_over_its_seconds():
 
 
 def test_a_block_runs_a_scenario_several_times_in_a_row(tmp_path):
+    """Each measurement also names the scenario whose generate ran just before it."""
     run = _engine_run(tmp_path, ["vanilla", "idle"], reps=2)
     run.job["block"] = 2
-    order = []
-    run.measure = lambda s, w, rep: order.append((rep, s.name)) or {"type": "measure"}
+    run.measure = lambda s, w, rep: {"type": "measure", "scenario": s.name, "rep": rep}
     run.run()
-    assert order == [(0, "vanilla"), (0, "vanilla"), (0, "idle"), (0, "idle"),
-                     (1, "idle"), (1, "idle"), (1, "vanilla"), (1, "vanilla")]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["rep"], e["scenario"], e["after"]) for e in events if e["type"] == "measure"] == [
+        (0, "vanilla", None), (0, "vanilla", "vanilla"), (0, "idle", "vanilla"), (0, "idle", "idle"),
+        (1, "idle", "idle"), (1, "idle", "idle"), (1, "vanilla", "idle"),
+        (1, "vanilla", "vanilla")]
+
+
+def test_report_gives_each_scenario_its_speed_by_the_scenario_before_it():
+    ms = [*_m("vanilla", 1000.0, reps=(0,), after="vanilla"),
+          *_m("vanilla", 800.0, reps=(1,), after="hidden-4l"),
+          *_m("vanilla", 900.0, reps=(2,), after="hidden-4l"),
+          *_m("hidden-4l", 700.0, reps=(0, 1), after="vanilla")]
+    t = R.summarize(ms)
+    assert t["decode-c64"]["vanilla"]["tok_s_by_after"] == {"vanilla": pytest.approx(1000.0),
+                                                            "hidden-4l": pytest.approx(850.0)}
+    md = R.markdown(_report(ms))
+    assert "| scenario | after vanilla | after hidden-4l |" in md
+    assert "| vanilla | 1000 | 850 |" in md and "| hidden-4l | 700 | - |" in md
+    assert R.summarize(_m("vanilla", 1000.0))["decode-c64"]["vanilla"]["tok_s_by_after"] == {}
 
 
 def test_block_must_be_a_number_of_generates():
