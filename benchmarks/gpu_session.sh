@@ -162,9 +162,10 @@ PY
     # gives each scenario's tok/s by group. Each scenario runs two generates in a row (--block
     # 2): a generate right after a capture's fetch ran up to 11% slower, whichever engine it was
     # on (session 17), and a block puts most of that on the capture's own generates. (REPS, the
-    # second argument: 25 by default, 50 generates a scenario; about 5.5 minutes.)
+    # second argument: 25 by default, 50 generates a scenario; about 5.5 minutes. BENCH_ARGS=--settle
+    # waits after each fetch until the client has let go of its memory.)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
-      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 --out "$OUT" 2>&1 | tail -n 15
+      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 15
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph

@@ -348,8 +348,17 @@ class EngineRun:
             peak = max(peak, _proc_status(os.getpid(), "VmRSS") or 0)
             # Freed before the next fetch: its /dev/shm file can then carry that fetch.
             del tensors, meta
-        return {"fetch_s": time.perf_counter() - t, "rows": rows, "positions": positions,
-                "bytes": nbytes, "client_rss_at_fetch": peak or None}
+        out = {"fetch_s": time.perf_counter() - t, "rows": rows, "positions": positions,
+               "bytes": nbytes, "client_rss_at_fetch": peak or None}
+        if self.job.get("settle"):
+            # The client lets go of a fetch's mapping on threads of its own, while the next
+            # generate runs (on whichever engine): here it waits for them, outside fetch_s.
+            from vllm_capture.session import shm
+
+            t = time.perf_counter()
+            shm.settle()
+            out["settle_s"] = time.perf_counter() - t
+        return out
 
     def measure(self, scen: S.Scenario, w: S.Workload, rep: int) -> dict:
         cap, llm = scen.capture, self.llms[scen.engine]
@@ -669,7 +678,7 @@ class Suite:
         job = {"engines": group, "model": self.shape.key, "model_dir": str(model_dir),
                "engine_kwargs": {e: S.engine_kwargs(self.suite, self.shape, e) for e in group},
                "plan": [(asdict(w), [s.name for s in scens]) for w, scens in plan],
-               "reps": self.suite.reps, "block": self.args.block,
+               "reps": self.suite.reps, "block": self.args.block, "settle": self.args.settle,
                "deadline": deadline, "hard_deadline": self.hard_end - 20,
                "dtype_bytes": S.dtype_bytes(self.suite, self.shape), "events": str(events),
                "pin_cpus": self.args.pin_cpus and not self.suite.force_eager}
@@ -730,7 +739,7 @@ class Suite:
         return {
             "suite": self.suite.name, "model": self.shape.key, "model_label": self.shape.label,
             "date": self.stamp, "dry_run": self.suite.force_eager, "reps": self.suite.reps,
-            "block": self.args.block,
+            "block": self.args.block, "settle": self.args.settle,
             "budget_s": self.suite.budget_s, "elapsed_s": round(time.time() - self.t0, 1),
             "env": environment(self.args.argv, self.probe, self.nvml),
             "shape": asdict(self.shape),
@@ -794,6 +803,10 @@ def parse_args(argv: list[str]):
     p.add_argument("--block", type=int, default=1,
                    help="generates a scenario runs in a row within a rep (default 1); a rep's "
                    "pair is its block's tokens over its block's seconds")
+    p.add_argument("--settle", action="store_true",
+                   help="after each fetch, wait until the client has let go of the fetch's "
+                   "memory (timed as settle_s, outside fetch_s): whether that work, left to run "
+                   "during the next generate, is what slows it")
     p.add_argument("--budget-s", type=float, help="seconds the suite plans for (engines share it)")
     p.add_argument("--grace-s", type=float, help="seconds past the budget before workers are killed")
     p.add_argument("--max-capture-gb", type=float, help="skip captures with more rows per generate")

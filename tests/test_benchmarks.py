@@ -3,6 +3,7 @@ the engine-free fetch benchmark's row check, and the engine-free step-path bench
 
 import json
 import re
+import time
 from dataclasses import replace
 
 import pytest
@@ -399,6 +400,31 @@ def test_report_gives_each_scenario_its_speed_by_the_scenario_before_it():
     assert "| scenario | after vanilla | after hidden-4l |" in md
     assert "| vanilla | 1000 | 850 |" in md and "| hidden-4l | 700 | - |" in md
     assert R.summarize(_m("vanilla", 1000.0))["decode-c64"]["vanilla"]["tok_s_by_after"] == {}
+
+
+@pytest.mark.parametrize("settle", [False, True])
+def test_settle_waits_for_the_clients_reapers_outside_the_fetch_time(tmp_path, monkeypatch, settle):
+    """``run.py --settle``: after the fetch, the client's threads that let go of its memory are
+    waited for, timed apart (``settle_s``); without it they are left to run."""
+    import torch
+
+    from vllm_capture.session import shm
+
+    run = _engine_run(tmp_path, ["hidden-last"], reps=1)
+    run.job["settle"] = settle
+    waited = []
+    monkeypatch.setattr(shm, "settle", lambda: waited.append(time.perf_counter()))
+
+    class Api:
+        def fetch_captured(self, llm, stream, clear, layers):
+            return {0: torch.zeros(4, 8, dtype=torch.bfloat16)}, {}, None
+
+    run.api = Api()
+    run.stream_layers = {S.HIDDEN: [0]}
+    cap = S.SCENARIOS["hidden-last"].capture
+    out = run.drain(None, cap, S.decode(8))
+    assert out["rows"] == 4 and out["bytes"] == 64
+    assert len(waited) == settle and ("settle_s" in out) == settle
 
 
 def test_block_must_be_a_number_of_generates():
