@@ -48,7 +48,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
-from benchmarks.run import Prompts, descendants, pin, prepare_model  # noqa: E402
+from benchmarks.profile_step import capture_and_generate, quick_decode_engine  # noqa: E402
+from benchmarks.run import descendants, pin  # noqa: E402
 
 CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
 NOSTORE = "-nostore"
@@ -87,23 +88,13 @@ def main() -> int:
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    from vllm import SamplingParams
-
-    import vllm_capture as vc
     from vllm_capture import api
 
     flag = Path(tempfile.mkdtemp(prefix="vllm-capture-ablation-flag-")) / "drop"
     drop_stores(flag)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shape = S.MODELS[args.model]
-    suite = S.make_suite("quick", args.model)
-    w = suite.workloads[0]
-    model_dir = prepare_model(shape, Path(tempfile.mkdtemp(prefix="vllm-capture-ablation-")))
-    llm = vc.LLM(str(model_dir), **S.engine_kwargs(suite, shape, "capture-graph"))
-    params = SamplingParams(max_tokens=w.new_tokens, ignore_eos=True, temperature=0.0,
-                            detokenize=False)
-    prompts = Prompts(shape.vocab)
+    llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
     cpus = {}
     if not args.in_process and len(os.sched_getaffinity(0)) >= 8:
         cpus = {"client": [0, 1, 2, 3], "engine": [4, 5, 6, 7]}
@@ -120,11 +111,7 @@ def main() -> int:
         if drop:
             flag.touch()
         before = timers()
-        if cap is not None:
-            api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
-        t = time.perf_counter()
-        llm.generate(prompts.make(w), params, use_tqdm=False)
-        gen_s = time.perf_counter() - t
+        gen_s = capture_and_generate(llm, cap, shape, w, params, prompts)
         fetch_s = None
         if cap is not None:
             stored = api.capture_status(llm, cap.stream)["tokens_stored"]

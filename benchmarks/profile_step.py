@@ -39,6 +39,36 @@ WATCH = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize
          "aten::pin_memory", "aten::item", "aten::_local_scalar_dense")
 
 
+def quick_decode_engine(model: str, engine: str):
+    """One engine of the quick suite (``capture-graph`` or ``vanilla-graph``) for ``model``, with
+    what runs its decode workload: ``(llm, shape, workload, sampling params, prompts)``."""
+    from vllm import LLM, SamplingParams
+
+    import vllm_capture as vc
+
+    shape = S.MODELS[model]
+    suite = S.make_suite("quick", model)
+    w = suite.workloads[0]
+    model_dir = prepare_model(shape, Path(tempfile.mkdtemp(prefix="vllm-capture-step-")))
+    make = vc.LLM if S.ENGINES[engine].capture else LLM
+    llm = make(str(model_dir), **S.engine_kwargs(suite, shape, engine))
+    params = SamplingParams(max_tokens=w.new_tokens, ignore_eos=True, temperature=0.0,
+                            detokenize=False)
+    return llm, shape, w, params, Prompts(shape.vocab)
+
+
+def capture_and_generate(llm, cap, shape, w, params, prompts) -> float:
+    """Start ``cap``'s stream (``None``: capture nothing), then generate ``w``'s batch once:
+    the generate's seconds."""
+    from vllm_capture import api
+
+    if cap is not None:
+        api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
+    t = time.perf_counter()
+    llm.generate(prompts.make(w), params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
@@ -66,23 +96,12 @@ def main() -> int:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from vllm import LLM
-
-    import vllm_capture as vc
     from vllm_capture import api
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shape = S.MODELS[args.model]
-    suite = S.make_suite("quick", args.model)
-    w = suite.workloads[0]
-    model_dir = prepare_model(shape, Path(tempfile.mkdtemp(prefix="vllm-capture-profile-")))
-    engine = "capture-graph" if capture else "vanilla-graph"
-    llm = (vc.LLM if capture else LLM)(str(model_dir), **S.engine_kwargs(suite, shape, engine))
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=w.new_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
-    prompts = Prompts(shape.vocab)
+    llm, shape, w, params, prompts = quick_decode_engine(
+        args.model, "capture-graph" if capture else "vanilla-graph")
     llm.generate(prompts.make(w), params, use_tqdm=False)
     scenarios = {n: S.SCENARIOS[n].capture for n in names}
 
@@ -93,11 +112,7 @@ def main() -> int:
     for name, cap in scenarios.items():
         def generate():
             before = host_timers()
-            if cap is not None:
-                api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
-            t = time.perf_counter()
-            llm.generate(prompts.make(w), params, use_tqdm=False)
-            gen_s = time.perf_counter() - t
+            gen_s = capture_and_generate(llm, cap, shape, w, params, prompts)
             after = host_timers()
             t = time.perf_counter()
             if cap is not None:
