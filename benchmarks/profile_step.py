@@ -12,16 +12,21 @@ hooks together. For each scenario (by default capture idle,
 last-token hidden states of all layers, all positions of 4 layers; any graph scenario of the suite
 by name) it times plain generates and their fetches, then profiles one and writes the CPU-side
 operator table (host syncs, pinned allocations, copies, kernel launches) to
-``OUT/profile_<scenario>.txt``; the summary (``OUT/profile_summary_<engine>.json``) compares the
-scenarios by call counts, host time per decode step, and the GPU's busy time per step against
-the profiled generate's step time.
+``OUT/profile_<scenario>.txt``, then runs one more under cProfile (``OUT/cprofile_<scenario>.txt``:
+the Python of the step, by function; capture's functions by cumulative time); the summary
+(``OUT/profile_summary_<engine>.json``) compares the scenarios by call counts, host time per
+decode step, capture's functions per step under cProfile, and the GPU's busy time per step
+against the profiled generate's step time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -134,10 +139,26 @@ def main() -> int:
         # (kernels and copies, graph replays' kernels included; overlapping streams add up).
         device_ms = sum(e.self_device_time_total for e in prof.key_averages()
                         if e.device_type == DeviceType.CUDA) / 1e3
+        # Then one generate under cProfile (this thread: the scheduler's and the worker's): where
+        # the Python of a step goes, capture's functions by name.
+        python_profile = cProfile.Profile()
+        python_profile.enable()
+        generate()
+        python_profile.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(python_profile, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats("vllm_capture", 40)
+        (out / f"cprofile_{name}.txt").write_text(text.getvalue())
+        ours = sorted(((ct, f"{Path(file).name}:{func}") for (file, _, func), (_, _, _, ct, _)
+                       in stats.stats.items() if "vllm_capture" in file), reverse=True)[:25]
         summary[name] = {"device_ms_per_step": round(device_ms / w.new_tokens, 4),
                          "profiled_ms_per_step": round(prof_s * 1e3 / w.new_tokens, 4),
                          "gen_s": times, "tok_s": [w.generated_tokens / t for t in times],
-                         "profiled_gen_s": prof_s, "watched": watched, **status}
+                         "profiled_gen_s": prof_s, "watched": watched,
+                         "cprofile_capture_ms_per_step": {
+                             where: round(ct * 1e3 / w.new_tokens, 4) for ct, where in ours},
+                         **status}
         print(name, json.dumps(summary[name])[:1500], flush=True)
     (out / f"profile_summary_{args.engine}.json").write_text(json.dumps(summary, indent=1))
     return 0
