@@ -61,8 +61,8 @@ case "$SET" in
     compare qwen3_moe_tp2_graph qwen3_moe --against tp1=/tmp/qwen3_moe_graph.pt
     ;;
   profile)
-    # Where a step's host time goes (torch.profiler tables), a vanilla engine's and then the
-    # capture engine's, each in its own process; one file back.
+    # Where a step's host time goes (torch.profiler tables, then cProfile's by function), a
+    # vanilla engine's and then the capture engine's, each in its own process; one file back.
     timeout 200 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile --engine vanilla \
       >"$OUT/profile_vanilla.log" 2>&1; echo "profile vanilla rc=$?"
     timeout 300 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile \
