@@ -206,6 +206,14 @@ class Prompts:
         return [{"prompt_token_ids": row.tolist()} for row in ids]
 
 
+def _settle_worker(worker) -> None:
+    """On a capture engine's worker (``run.py --settle``): wait for its threads that let go of
+    reply files and mappings."""
+    from vllm_capture.session import shm
+
+    shm.settle()
+
+
 class EngineRun:
     """The engines of one worker process (one, or several side by side): builds them, then runs
     their plan of timed generates, taking turns scenario by scenario."""
@@ -351,12 +359,14 @@ class EngineRun:
         out = {"fetch_s": time.perf_counter() - t, "rows": rows, "positions": positions,
                "bytes": nbytes, "client_rss_at_fetch": peak or None}
         if self.job.get("settle"):
-            # The client lets go of a fetch's mapping on threads of its own, while the next
-            # generate runs (on whichever engine): here it waits for them, outside fetch_s.
+            # The client and the worker let go of reply files and mappings on threads of their
+            # own, while the next generate runs (on whichever engine): here both are waited
+            # for, outside fetch_s.
             from vllm_capture.session import shm
 
             t = time.perf_counter()
             shm.settle()
+            llm.collective_rpc(_settle_worker)
             out["settle_s"] = time.perf_counter() - t
         return out
 
@@ -610,6 +620,9 @@ class Suite:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0")
         if self.suite.force_eager:
             self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if args.settle:
+            # _settle_worker travels to the engine as a pickled function.
+            self.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
         self.nvml = Nvml()
         self.measurements: list[dict] = []
@@ -804,9 +817,9 @@ def parse_args(argv: list[str]):
                    help="generates a scenario runs in a row within a rep (default 1); a rep's "
                    "pair is its block's tokens over its block's seconds")
     p.add_argument("--settle", action="store_true",
-                   help="after each fetch, wait until the client has let go of the fetch's "
-                   "memory (timed as settle_s, outside fetch_s): whether that work, left to run "
-                   "during the next generate, is what slows it")
+                   help="after each fetch, wait until the client and the worker have let go of "
+                   "the reply's memory (timed as settle_s, outside fetch_s): whether that work, "
+                   "left to run during the next generate, is what slows it")
     p.add_argument("--budget-s", type=float, help="seconds the suite plans for (engines share it)")
     p.add_argument("--grace-s", type=float, help="seconds past the budget before workers are killed")
     p.add_argument("--max-capture-gb", type=float, help="skip captures with more rows per generate")

@@ -404,16 +404,22 @@ def test_report_gives_each_scenario_its_speed_by_the_scenario_before_it():
 
 @pytest.mark.parametrize("settle", [False, True])
 def test_settle_waits_for_the_clients_reapers_outside_the_fetch_time(tmp_path, monkeypatch, settle):
-    """``run.py --settle``: after the fetch, the client's threads that let go of its memory are
-    waited for, timed apart (``settle_s``); without it they are left to run."""
+    """``run.py --settle``: after the fetch, the client's and the worker's threads that let go of
+    the reply's memory are waited for, timed apart (``settle_s``); without it they are left to
+    run."""
     import torch
 
+    from benchmarks.run import _settle_worker
     from vllm_capture.session import shm
 
     run = _engine_run(tmp_path, ["hidden-last"], reps=1)
     run.job["settle"] = settle
     waited = []
     monkeypatch.setattr(shm, "settle", lambda: waited.append(time.perf_counter()))
+
+    class Engine:  # collective_rpc runs the function on "the worker": here, in this process
+        def collective_rpc(self, method, *args):
+            return [method(None, *args)]
 
     class Api:
         def fetch_captured(self, llm, stream, clear, layers):
@@ -422,9 +428,11 @@ def test_settle_waits_for_the_clients_reapers_outside_the_fetch_time(tmp_path, m
     run.api = Api()
     run.stream_layers = {S.HIDDEN: [0]}
     cap = S.SCENARIOS["hidden-last"].capture
-    out = run.drain(None, cap, S.decode(8))
+    out = run.drain(Engine(), cap, S.decode(8))
     assert out["rows"] == 4 and out["bytes"] == 64
-    assert len(waited) == settle and ("settle_s" in out) == settle
+    assert len(waited) == 2 * settle and ("settle_s" in out) == settle  # client, then worker
+    _settle_worker(None)
+    assert len(waited) == 2 * settle + 1
 
 
 def test_block_must_be_a_number_of_generates():
