@@ -127,7 +127,7 @@ def main() -> int:
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
         after = timers()
         flag.unlink(missing_ok=True)
-        return {"gen_s": gen_s, "fetch_s": fetch_s,
+        return {"gen_s": gen_s, "generated_tokens": w.generated_tokens, "fetch_s": fetch_s,
                 "timers": {k: after[k] - before[k] for k in after}}
 
     runs: dict[str, list[dict]] = {c: [] for c in CASES}
@@ -147,9 +147,8 @@ def main() -> int:
         summary[case] = {
             "tok_s": round(w.generated_tokens / statistics.median(r["gen_s"] for r in reps)),
             # Whether a generate runs slower right after a capture than after idle.
-            "tok_s_after": {after: round(w.generated_tokens / statistics.median(
-                r["gen_s"] for r in reps if r["after"] == after))
-                for after in dict.fromkeys(r["after"] for r in reps)},
+            "tok_s_after": {after: round(v) for after, v in
+                            R.median_tok_s_by(reps, lambda r: r["after"]).items()},
             "vs_idle": R.geometric_mean_interval(logs),
             "fetch_s": round(statistics.median(fetches), 4) if fetches else None,
             "host_ms_per_step": per_step, "gen_s": [round(r["gen_s"], 4) for r in reps]}

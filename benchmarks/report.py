@@ -79,23 +79,21 @@ def geometric_mean_interval(logs: list[float]) -> dict | None:
             "pairs": len(logs)}
 
 
+def median_tok_s_by(reps: list[dict], key) -> dict:
+    """Median generate tok/s of ``reps`` grouped by ``key(rep)``, in first-seen order (reps
+    whose key is None are left out)."""
+    groups: dict = {}
+    for r in reps:
+        k = key(r)
+        if k is not None:
+            groups.setdefault(k, []).append(r["generated_tokens"] / r["gen_s"])
+    return {k: _median(v) for k, v in groups.items()}
+
+
 def _by_cpus(reps: list[dict]) -> dict[str, float]:
     """Median generate tok/s per CPU group the reps ran on (``{}`` when not pinned)."""
-    groups: dict[tuple[int, ...], list[float]] = {}
-    for r in reps:
-        if r.get("cpus"):
-            groups.setdefault(tuple(sorted(r["cpus"])), []).append(r["generated_tokens"] / r["gen_s"])
-    return {_cpus(list(k)): _median(v) for k, v in sorted(groups.items())}
-
-
-def _by_after(reps: list[dict]) -> dict[str, float]:
-    """Median generate tok/s by the scenario whose generate ran just before (``{}`` when the
-    measurements do not say)."""
-    groups: dict[str, list[float]] = {}
-    for r in reps:
-        if r.get("after"):
-            groups.setdefault(r["after"], []).append(r["generated_tokens"] / r["gen_s"])
-    return {after: _median(v) for after, v in groups.items()}
+    by = median_tok_s_by(reps, lambda r: tuple(sorted(r["cpus"])) if r.get("cpus") else None)
+    return {_cpus(list(k)): v for k, v in sorted(by.items())}
 
 
 def aggregate(reps: list[dict]) -> dict:
@@ -124,7 +122,8 @@ def aggregate(reps: list[dict]) -> dict:
         # Pinned side by side, the engines move between CPU groups (every two reps): a group's
         # own speed shows as the same column slower for every engine.
         "tok_s_by_cpus": _by_cpus(reps),
-        "tok_s_by_after": _by_after(reps),
+        # By the scenario whose generate ran just before (``{}`` when the measurements do not say).
+        "tok_s_by_after": median_tok_s_by(reps, lambda r: r.get("after")),
         "rows": _median(per_rep(lambda r: r.get("rows", 0))),
         "positions": _median(per_rep(lambda r: r.get("positions", 0))),
         "bytes": _median(per_rep(lambda r: r.get("bytes", 0))),
@@ -316,6 +315,21 @@ def engine_rows(engines: dict[str, dict]) -> list[dict]:
     return out
 
 
+def _speed_table(rows: dict[str, dict], field: str, prefix: str, title: str) -> list[str]:
+    """Markdown lines of each scenario's ``field`` (a dict of median tok/s by a key), one column
+    per key, or none when no scenario has it."""
+    by = {name: a[field] for name, a in rows.items() if a.get(field)}
+    if not by:
+        return []
+    order = list(rows)  # keys that are scenarios go in the table's order; others as first seen
+    cols = sorted(dict.fromkeys(c for v in by.values() for c in v),
+                  key=lambda c: order.index(c) if c in order else len(order))
+    return ["", title, "", f"| scenario | {prefix}" + f" | {prefix}".join(cols) + " |",
+            "|---|" + "---|" * len(cols),
+            *(f"| {name} | " + " | ".join(_f(v.get(c), "{:.0f}") for c in cols) + " |"
+              for name, v in by.items())]
+
+
 def markdown(report: dict) -> str:
     env, lines = report.get("env", {}), []
     lines.append(f"# vllm-capture benchmark: suite `{report['suite']}`, model {report['model_label']}")
@@ -364,27 +378,13 @@ def markdown(report: dict) -> str:
                 f"; {_f(a.get('harvest_sync_ms_per_step'), '{:.3f}')}) "
                 f"| {_f(a['client_peak_rss'], '{:.2f}', GIB)} "
                 f"| {_f(a['engine_peak_rss'], '{:.2f}', GIB)} |")
-        by_cpus = {name: a["tok_s_by_cpus"] for name, a in rows.items() if a.get("tok_s_by_cpus")}
-        if by_cpus:
-            cols = list(dict.fromkeys(c for v in by_cpus.values() for c in v))
-            lines.append("")
-            lines.append("Median generate tok/s by the CPUs the engine ran on (engines move one group every two reps):")
-            lines.append("")
-            lines.append("| scenario | " + " | ".join(cols) + " |")
-            lines.append("|---|" + "---|" * len(cols))
-            lines.extend(f"| {name} | " + " | ".join(_f(v.get(c), "{:.0f}") for c in cols) + " |"
-                         for name, v in by_cpus.items())
-        by_after = {name: a["tok_s_by_after"] for name, a in rows.items() if a.get("tok_s_by_after")}
-        if by_after:
-            cols = [c for c in rows if any(c in v for v in by_after.values())]
-            lines.append("")
-            lines.append("Median generate tok/s by the scenario that ran just before (a capture's "
-                         "fetch can slow the next generate, on any engine):")
-            lines.append("")
-            lines.append("| scenario | after " + " | after ".join(cols) + " |")
-            lines.append("|---|" + "---|" * len(cols))
-            lines.extend(f"| {name} | " + " | ".join(_f(v.get(c), "{:.0f}") for c in cols) + " |"
-                         for name, v in by_after.items())
+        lines += _speed_table(
+            rows, "tok_s_by_cpus", "",
+            "Median generate tok/s by the CPUs the engine ran on (engines move one group every two reps):")
+        lines += _speed_table(
+            rows, "tok_s_by_after", "after ",
+            "Median generate tok/s by the scenario that ran just before (a capture's fetch can "
+            "slow the next generate, on any engine):")
     lines.append("")
     lines.append("## Engines")
     lines.append("")
