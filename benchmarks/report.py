@@ -90,6 +90,24 @@ def median_tok_s_by(reps: list[dict], key) -> dict:
     return {k: _median(v) for k, v in groups.items()}
 
 
+def threads_ms_per_step(reps: list[dict]) -> dict[str, list[float]]:
+    """Median over reps of each thread's milliseconds per step on a CPU and waiting for one
+    during the generate (``run.py``'s ``engine_threads_ms`` and ``client_threads_ms``, keyed
+    ``engine <name>`` and ``client <name>``; a thread absent from a rep counts as zero there)."""
+    per_rep = []
+    for r in reps:
+        if not r.get("steps"):
+            continue
+        spent = {}
+        for side in ("engine", "client"):
+            for name, (cpu, wait) in (r.get(f"{side}_threads_ms") or {}).items():
+                spent[f"{side} {name}"] = (cpu / r["steps"], wait / r["steps"])
+        per_rep.append(spent)
+    names = dict.fromkeys(n for spent in per_rep for n in spent)
+    return {n: [_median([spent.get(n, (0.0, 0.0))[k] for spent in per_rep]) for k in (0, 1)]
+            for n in names}
+
+
 def _by_cpus(reps: list[dict]) -> dict[str, float]:
     """Median generate tok/s per CPU group the reps ran on (``{}`` when not pinned)."""
     by = median_tok_s_by(reps, lambda r: tuple(sorted(r["cpus"])) if r.get("cpus") else None)
@@ -124,6 +142,7 @@ def aggregate(reps: list[dict]) -> dict:
         "tok_s_by_cpus": _by_cpus(reps),
         # By the scenario whose generate ran just before (``{}`` when the measurements do not say).
         "tok_s_by_after": median_tok_s_by(reps, lambda r: r.get("after")),
+        "threads_ms_per_step": threads_ms_per_step(reps),
         "rows": _median(per_rep(lambda r: r.get("rows", 0))),
         "positions": _median(per_rep(lambda r: r.get("positions", 0))),
         "bytes": _median(per_rep(lambda r: r.get("bytes", 0))),
@@ -330,6 +349,34 @@ def _speed_table(rows: dict[str, dict], field: str, prefix: str, title: str) -> 
               for name, v in by.items())]
 
 
+# Threads in the table of CPU time by thread: the busiest, the rest summed.
+THREAD_COLUMNS = 6
+
+
+def _threads_table(rows: dict[str, dict]) -> list[str]:
+    """Markdown lines: each scenario's milliseconds per step on a CPU (and waiting for one) by
+    thread, the busiest THREAD_COLUMNS threads over all scenarios, the others summed."""
+    by = {name: a["threads_ms_per_step"] for name, a in rows.items() if a.get("threads_ms_per_step")}
+    if not by:
+        return []
+    busiest = sorted({n for v in by.values() for n in v},
+                     key=lambda n: -max(v.get(n, (0.0, 0.0))[0] for v in by.values()))
+    cols, rest = busiest[:THREAD_COLUMNS], busiest[THREAD_COLUMNS:]
+
+    def cell(spent) -> str:
+        return f"{spent[0]:.3f} ({spent[1]:.3f})"
+
+    lines = ["", "CPU ms per step by thread during the generate, on a CPU (waiting for one):", "",
+             "| scenario | " + " | ".join(cols) + (" | other threads |" if rest else " |"),
+             "|---|" + "---|" * (len(cols) + bool(rest))]
+    for name, v in by.items():
+        cells = [cell(v.get(c, (0.0, 0.0))) for c in cols]
+        if rest:
+            cells.append(cell([sum(v.get(n, (0.0, 0.0))[k] for n in rest) for k in (0, 1)]))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     env, lines = report.get("env", {}), []
     lines.append(f"# vllm-capture benchmark: suite `{report['suite']}`, model {report['model_label']}")
@@ -385,6 +432,7 @@ def markdown(report: dict) -> str:
             rows, "tok_s_by_after", "after ",
             "Median generate tok/s by the scenario that ran just before (a capture's fetch can "
             "slow the next generate, on any engine):")
+        lines += _threads_table(rows)
     lines.append("")
     lines.append("## Engines")
     lines.append("")

@@ -95,6 +95,35 @@ def pin(pids: list[int], cpus: list[int]) -> None:
                 pass  # the thread ended
 
 
+def thread_times(pids: list[int]) -> dict[int, tuple[str, int, int]]:
+    """Every thread of ``pids``: tid -> (name, nanoseconds on a CPU, nanoseconds runnable but
+    waiting for one), from /proc/<pid>/task/<tid>/schedstat. Threads go by their OS name (a
+    Python thread inherits its creator's), a process's first thread as ``<name> (main)``."""
+    out = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                name = (task / "comm").read_text().strip()
+                name += " (main)" if task.name == str(pid) else ""
+                on_cpu, waiting = (task / "schedstat").read_text().split()[:2]
+                out[int(task.name)] = (name, int(on_cpu), int(waiting))
+            except (OSError, ValueError):
+                pass  # the thread ended
+    return out
+
+
+def thread_time_spent(before: dict, after: dict) -> dict[str, list[float]]:
+    """Milliseconds on a CPU and waiting for one between two ``thread_times`` snapshots, summed
+    by thread name (a thread started in between counts from zero; one that ended is lost)."""
+    spent: dict[str, list[float]] = {}
+    for tid, (name, on_cpu, waiting) in after.items():
+        _, cpu0, wait0 = before.get(tid, (name, 0, 0))
+        acc = spent.setdefault(name, [0.0, 0.0])
+        acc[0] += (on_cpu - cpu0) / 1e6
+        acc[1] += (waiting - wait0) / 1e6
+    return {name: [round(cpu, 3), round(wait, 3)] for name, (cpu, wait) in spent.items()}
+
+
 def reset_peak_rss(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -230,7 +259,7 @@ class EngineRun:
         self.api = None
         self.stream_layers: dict[str, list[int]] = {}
         self.unavailable: dict[str, str] = {}
-        self.engine_pids: dict[str, list[int]] = {}  # engine name -> its processes (when pinned)
+        self.engine_pids: dict[str, list[int]] = {}  # engine name -> the processes it started
         self.engine_cpu_groups: list[list[int]] = []  # the CPU groups the engines rotate over
 
     def emit(self, engine: str, **record) -> None:
@@ -259,11 +288,12 @@ class EngineRun:
             before = set(descendants(os.getpid()))
             self.start_engine(name)
             engine_pids[name] = [p for p in descendants(os.getpid()) if p not in before]
+        self.engine_pids = engine_pids
         if self.job.get("pin_cpus") and len(self.engine_names) > 1:
             # This process (the engines' clients) and each engine's processes on their own cores.
             groups = S.cpu_groups(physical_cores(), len(self.engine_names) + 1)
             pin([os.getpid()], groups[0])
-            self.engine_pids, self.engine_cpu_groups = engine_pids, groups[1:]
+            self.engine_cpu_groups = groups[1:]
             for name in self.engine_names:
                 self.emit(name, type="pinned", cpus=sorted(c for g in groups[1:] for c in g),
                           client_cpus=groups[0])
@@ -379,12 +409,20 @@ class EngineRun:
         batch, params = self.prompts.make(w), self.params(w)
         pids = self.pids()
         reset_peak_rss(pids)
+        # Where the generate's CPU time goes, thread by thread: the engine's processes and this
+        # client (whose one process serves every engine).
+        engine_procs = [q for p in self.engine_pids.get(scen.engine, ()) for q in (p, *descendants(p))]
+        threads_before = thread_times(engine_procs), thread_times([os.getpid()])
         t = time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
+        gen_s = time.perf_counter() - t
+        threads_after = thread_times(engine_procs), thread_times([os.getpid()])
         rec = {"type": "measure", "workload": w.name, "scenario": scen.name, "rep": rep,
-               "gen_s": time.perf_counter() - t,
+               "gen_s": gen_s, "steps": w.new_tokens,
                "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-               "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs)}
+               "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+               "engine_threads_ms": thread_time_spent(threads_before[0], threads_after[0]),
+               "client_threads_ms": thread_time_spent(threads_before[1], threads_after[1])}
         if cap is not None:
             try:
                 rec.update(self.drain(llm, cap, w))

@@ -2,9 +2,11 @@
 the engine-free fetch benchmark's row check, and the engine-free step-path benchmark."""
 
 import json
+import os
 import re
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -400,6 +402,63 @@ def test_report_gives_each_scenario_its_speed_by_the_scenario_before_it():
     assert "| scenario | after vanilla | after hidden-4l |" in md
     assert "| vanilla | 1000 | 850 |" in md and "| hidden-4l | 700 | - |" in md
     assert R.summarize(_m("vanilla", 1000.0))["decode-c64"]["vanilla"]["tok_s_by_after"] == {}
+
+
+def test_thread_times_follow_each_thread_of_a_process():
+    """A thread that spins shows its CPU time (under its OS name: a Python thread inherits its
+    creator's); the process's first thread is ``<name> (main)``; a thread started between the
+    snapshots counts from zero."""
+    import threading
+
+    from benchmarks.run import thread_time_spent, thread_times
+
+    before = thread_times([os.getpid()])
+    mains = [name for name, _, _ in before.values() if name.endswith(" (main)")]
+    assert mains == [f"{Path(f'/proc/{os.getpid()}/comm').read_text().strip()} (main)"]
+
+    def spin():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    worker.join(0.15)
+    mid = thread_times([os.getpid()])  # the spinner is alive: its tid is seen
+    worker.join()
+    assert worker.native_id in mid and worker.native_id not in before
+    spent = thread_time_spent(before, mid)
+    others = sum(cpu for name, (cpu, _) in spent.items() if name not in mains)
+    assert others > 50.0  # ms: it spun for about 150 ms of wall time before the snapshot
+    assert thread_time_spent({1: ("a", 5_000_000, 1_000_000)},
+                             {1: ("a", 7_000_000, 4_000_000), 2: ("b", 1_000_000, 0)}) == {
+        "a": [2.0, 3.0], "b": [1.0, 0.0]}
+
+
+def test_report_gives_cpu_time_per_step_by_thread():
+    def m(scenario, rep, main, harvest=None):
+        engine = {"VLLM::EngineCor (main)": [main * 100, 0.5 * 100]}
+        if harvest is not None:
+            engine["vllm-capture-ha"] = [harvest * 100, 0.0]
+        return _m(scenario, 1000.0, reps=(rep,), steps=100, engine_threads_ms=engine,
+                  client_threads_ms={"python3 (main)": [1.0 * 100, 0.0]})
+
+    ms = [*m("vanilla", 0, 2.0), *m("vanilla", 1, 2.2), *m("vanilla", 2, 2.4),
+          *m("hidden-4l", 0, 2.5, 0.3), *m("hidden-4l", 1, 2.7), *m("hidden-4l", 2, 2.6, 0.1)]
+    t = R.summarize(ms)["decode-c64"]
+    assert t["vanilla"]["threads_ms_per_step"] == {
+        "engine VLLM::EngineCor (main)": [pytest.approx(2.2), pytest.approx(0.5)],
+        "client python3 (main)": [pytest.approx(1.0), pytest.approx(0.0)]}
+    # The harvest thread missing from one rep counts as zero there: median of 0.3, 0, 0.1.
+    assert t["hidden-4l"]["threads_ms_per_step"]["engine vllm-capture-ha"] == [
+        pytest.approx(0.1), pytest.approx(0.0)]
+    md = R.markdown(_report(ms))
+    assert ("| scenario | engine VLLM::EngineCor (main) | client python3 (main) "
+            "| engine vllm-capture-ha |") in md
+    assert "| vanilla | 2.200 (0.500) | 1.000 (0.000) | 0.000 (0.000) |" in md
+    assert "| hidden-4l | 2.600 (0.500) | 1.000 (0.000) | 0.100 (0.000) |" in md
+    # Without thread times (older runs), no table.
+    assert "CPU ms per step by thread" not in R.markdown(_report(_m("vanilla", 1000.0)))
 
 
 @pytest.mark.parametrize("settle", [False, True])
