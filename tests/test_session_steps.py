@@ -1707,8 +1707,7 @@ def test_int64_input_ids_and_ring_wraps():
     uploads, drains, waits = [], [], []  # steps per drain
     upload, drain, wait = engine.state.upload_rows, engine.state.drain, engine.state._wait_for_copies
     engine.state.upload_rows = lambda *args: uploads.append(1) or upload(*args)
-    engine.state.drain = lambda component: drains.append(len(uploads)) or uploads.clear() or drain(
-        component)
+    engine.state.drain = lambda *args: drains.append(len(uploads)) or uploads.clear() or drain(*args)
     engine.state._wait_for_copies = lambda buf, start, end: waits.append(
         [(first, stop) for first, stop, _ in buf.copies if first < end and start < stop]) or wait(
         buf, start, end)
@@ -1734,8 +1733,7 @@ def test_drains_are_due_by_bytes_or_half_the_ring(drain_bytes, steps_per_drain):
     uploads, drains = [], []
     upload, drain = engine.state.upload_rows, engine.state.drain
     engine.state.upload_rows = lambda *args: uploads.append(1) or upload(*args)
-    engine.state.drain = lambda component: drains.append(len(uploads)) or uploads.clear() or drain(
-        component)
+    engine.state.drain = lambda *args: drains.append(len(uploads)) or uploads.clear() or drain(*args)
     reqs = [Req(num=i, prompt=[1], gen=[2] * 60) for i in range(2)]
     while not all(r.done for r in reqs):
         engine.step([(r, 1) for r in reqs if not r.done])
@@ -1744,6 +1742,71 @@ def test_drains_are_due_by_bytes_or_half_the_ring(drain_bytes, steps_per_drain):
         assert drains == [1] * 61
     else:
         assert drains[0] == MAX_ROWS // 2 and sum(drains) == 61
+
+
+def _spy_drains(engine) -> list:
+    """Record each drain's order and the host rows it returned."""
+    seen, drain = [], engine.state.drain
+
+    def spy(component, order=None):
+        drained = drain(component, order)
+        seen.append((None if order is None else order.tolist(), drained))
+        return drained
+
+    engine.state.drain = spy
+    return seen
+
+
+@pytest.mark.parametrize("batch_order", ["registration", "reversed"])
+def test_drained_rows_arrive_in_the_stores_order_and_are_kept_as_they_are(batch_order):
+    """Several decode steps drained at once leave the device grouped by request, in registration
+    order, whatever order the batch runs them in; the store keeps the drained host tensors
+    instead of copying them, and the rows are right."""
+    engine = Engine()
+    engine.state.drain_bytes = 10**12  # one drain, at the fetch
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    seen = _spy_drains(engine)
+    a, b = Req(num=0, prompt=[1], gen=[2] * 4), Req(num=1, prompt=[1], gen=[3] * 4)
+    engine.step([(a, 1), (b, 1)])  # registered a, then b
+    while not (a.done and b.done):
+        pairs = [(a, 1), (b, 1)] if batch_order == "registration" else [(b, 1), (a, 1)]
+        engine.step([(r, n) for r, n in pairs if not r.done])
+    st = engine.session._streams[HS]
+    engine.session._drain(st)
+    engine.session._await_harvest()
+    [(order, drained)] = seen
+    # Planned rows: a0 b0, then a1 b1, a2 b2, ... or b1 a1, b2 a2, ...: a's rows first in the
+    # drain, each request's in step order.
+    assert order == ([0, 2, 4, 6, 8, 1, 3, 5, 7, 9] if batch_order == "registration"
+                     else [0, 3, 5, 7, 9, 1, 2, 4, 6, 8])
+    labels = next(iter(drained.layers.values()))[1]
+    assert labels[:, 1].tolist() == [0, 1, 2, 3, 4] * 2  # positions, a's rows then b's
+    for layer, (host_rows, _) in drained.layers.items():
+        [chunk] = st.store.chunks[layer].values()
+        assert chunk.tensor.data_ptr() == host_rows.data_ptr()  # adopted, not copied
+    check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([a.rid, b.rid]))
+
+
+def test_a_budget_keeps_the_earliest_rows_of_a_reordered_drain():
+    """Rows past the budget are the latest planned, even when the drain put them in another
+    order: b runs first in every step but is registered second."""
+    engine = Engine()
+    engine.state.drain_bytes = 10**12
+    engine.session.enable_stream(HS, budget_rows=5)
+    seen = _spy_drains(engine)
+    a, b = Req(num=0, prompt=[1], gen=[2] * 3), Req(num=1, prompt=[1], gen=[3] * 3)
+    engine.step([(a, 1), (b, 1)])
+    while not (a.done and b.done):
+        engine.step([(r, 1) for r in (b, a) if not r.done])
+    rows = decode_rows(*engine.fetch(HS))
+    assert seen[0][0] is not None  # the drain was reordered
+    # Planned: a0 b0, b1 a1, b2 a2, b3 a3: the first five are kept, a's and b's rows grouped.
+    for layer_rows in rows.values():
+        assert [(rid, q) for rid, q, _, _ in layer_rows] == [
+            (a.rid, 0), (a.rid, 1), (b.rid, 0), (b.rid, 1), (b.rid, 2)]
+    assert engine.session.stream_status(HS)["tokens_dropped"] == 3
 
 
 def test_a_finished_request_keeps_its_index_until_its_rows_leave_the_ring():

@@ -395,11 +395,13 @@ class CaptureGraphState:
         if capturing and self.nodes is not None:
             self.nodes.note_launch(counter.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream)
 
-    def drain(self, component: str) -> DrainedRows | None:
+    def drain(self, component: str, order: np.ndarray | None = None) -> DrainedRows | None:
         """Enqueue the copy of every pending ring row of ``component`` to host memory.
 
         One gather and one device-to-host copy per ring group carry the rows of every enabled
         layer; the labels are the same for all sites of a stream, so one site's labels travel once.
+        ``order`` (indices into the pending rows) puts them in another order on the device, so the
+        host copy arrives in the order the store keeps.
         """
         buf = self.streams[component]
         start, n = buf.pending_start, buf.pending_rows
@@ -407,7 +409,11 @@ class CaptureGraphState:
         groups = [g for g in self.groups.get(component, ()) if g.enabled]
         if n == 0 or not groups:
             return None
+        if order is not None and len(order) != n:
+            raise ValueError(f"{component}: an order of {len(order)} rows for {n} pending rows")
         cuda = self.device.type == "cuda"
+        # Uploaded on the current stream, before the event the copy stream waits for.
+        index = None if order is None else self._device_index(order)
         event = None
         if cuda:
             done = torch.cuda.Event()
@@ -417,14 +423,20 @@ class CaptureGraphState:
         names: dict[int, str] = {}
         labels = None
         with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
+            if cuda and index is not None:
+                index.record_stream(self._copy_stream)
             for group in groups:
                 # [enabled sites, n, width]: only the pending rows of enabled layers.
                 rows = group.ring[:, start:start + n].index_select(0, group.enabled_index)
+                if index is not None:
+                    rows = rows.index_select(1, index)
                 if cuda:
                     # set_enabled may replace the index while this gather is still queued.
                     group.enabled_index.record_stream(self._copy_stream)
                 if labels is None:
-                    labels = _to_host(group.labels[group.enabled[0], start:start + n], cuda)
+                    labels = group.labels[group.enabled[0], start:start + n]
+                    labels = _to_host(labels if index is None else labels.index_select(0, index),
+                                      cuda)
                 if cuda:  # on the CPU, index_select made ``rows`` for this drain alone
                     rows = _to_host(rows, cuda)
                 for k, i in enumerate(group.enabled):
@@ -439,9 +451,9 @@ class CaptureGraphState:
 
     # ---- reductions ------------------------------------------------------------------------------
 
-    def _device_index(self, values: list[int]) -> torch.Tensor:
+    def _device_index(self, values) -> torch.Tensor:
         """An index tensor on the device, copied from pinned memory so the host does not wait."""
-        host = torch.tensor(values, dtype=torch.long)
+        host = torch.from_numpy(np.asarray(values, dtype=np.int64))
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)

@@ -45,12 +45,14 @@ _LARGE_COPY = 2 << 20
 # Appends of at least this many bytes copy their layers on APPEND_THREADS threads (_copy_all).
 APPEND_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 _PARALLEL_APPEND = 8 << 20
-# Finalized reductions arrive in pinned host copies made for them alone. The store keeps those
-# instead of copying them (the copy, into fresh pages, was most of a last-token fetch's wait at
-# 8B: 16.8 MB) while it holds less than this: torch's caching host allocator keeps a pinned
-# block once it is freed, so past this the rows go to pageable memory and pinned memory that a
-# store leaves behind stays bounded.
-ADOPT_BYTES = 256 << 20
+# Drained rows and finalized reductions arrive in pinned host copies made for them alone, in the
+# store's order. The store keeps those instead of copying them while it holds less than this:
+# - the copy, into fresh pages, was most of a last-token fetch's wait at 8B (16.8 MB);
+# - on the harvest thread, it cost the 1B's 4-layer capture (300 MB a generate) 6% of its
+#   throughput, the step path sharing the engine's CPUs with the copying threads.
+# torch's caching host allocator keeps a pinned block once it is freed, so past this the rows go
+# to pageable memory, and the pinned memory a store leaves behind stays bounded.
+ADOPT_BYTES = 512 << 20
 # A fetch gathers a layer's rows span by span (a Python step each, about as long as copying
 # 30-60 KB) unless its spans are many, several per chunk and on average under this many bytes:
 # then it scatters each chunk's rows at once. On the CPU VM, 48 layers of router logits (512-byte
@@ -315,10 +317,13 @@ class StreamStore:
 
     def registration_order(self, req_index: np.ndarray) -> np.ndarray:
         """The order that puts rows of these (registered) label indices in registration order,
-        the order a chunk keeps its requests in: one row per request appended in it is stored as
-        it is (and adopted), where any other order is copied into that one."""
-        with self.lock:
-            return np.argsort(self._rank[req_index], kind="stable")
+        each request's rows in the order given: the order a chunk keeps its rows in. Rows
+        appended in it are stored as they are (and adopted), where any other order is copied
+        into that one.
+
+        Without the lock: ranks are written only by ``request_index``, on the thread that plans
+        steps and calls this, while the harvest thread may hold the lock for a long append."""
+        return np.argsort(self._rank[req_index], kind="stable")
 
     def _grow(self, needed: int) -> None:
         size = max(64, 2 * self._rank.size, needed)
@@ -409,6 +414,7 @@ class StreamStore:
         meta: torch.Tensor,
         layer_names: dict[int, str],
         adopt: bool = False,
+        arrival: np.ndarray | None = None,
     ) -> None:
         """Store drained host rows of one engine step: one chunk per layer, one set of labels.
 
@@ -418,7 +424,8 @@ class StreamStore:
         is per layer. The store copies what it keeps (once, grouped by request), so the caller
         may reuse its (pinned) buffers as soon as this returns. Rows of failed or cache-elided
         requests are discarded; rows past a layer's budget are dropped (the first rows in row
-        order are kept) and counted in ``tokens_dropped``.
+        order are kept, or the earliest by ``arrival``, each row's place in the order the rows
+        were produced, when they come in another) and counted in ``tokens_dropped``.
 
         With ``adopt`` the caller hands its tensors over (host copies made for this append
         alone, such as finalized reductions): while the store holds under ``ADOPT_BYTES``, a
@@ -450,7 +457,7 @@ class StreamStore:
                 if keep == 0:
                     continue
                 if keep not in layouts:
-                    layouts[keep] = self._chunk_layout(labels, unblocked, keep)
+                    layouts[keep] = self._chunk_layout(labels, unblocked, keep, arrival)
                 dtype = tensor.dtype if self.config.dtype is None else self.config.dtype
                 takes.append((layer_id, tensor.detach(), layouts[keep], dtype))
             adopt = adopt and self._bytes_stored < ADOPT_BYTES
@@ -462,10 +469,15 @@ class StreamStore:
                 self._layer_dtypes.setdefault(layer_id, set()).add(dtype)
                 self.layer_names[layer_id] = layer_names[layer_id]
 
-    def _chunk_layout(self, labels: np.ndarray, unblocked: np.ndarray | None, keep: int):
+    def _chunk_layout(self, labels: np.ndarray, unblocked: np.ndarray | None, keep: int,
+                      arrival: np.ndarray | None = None):
         """``(kept rows, their labels, requests, span starts, span lengths)`` of a chunk holding
-        the first ``keep`` unblocked rows, grouped by request in registration order (one stable
-        argsort), each request's rows staying in batch order."""
+        the first ``keep`` unblocked rows (by ``arrival`` where given), grouped by request in
+        registration order (one stable argsort), each request's rows staying in batch order."""
+        candidates = labels.shape[0] if unblocked is None else unblocked.size
+        if arrival is not None and keep < candidates:
+            rows = np.arange(labels.shape[0]) if unblocked is None else unblocked
+            unblocked = np.sort(rows[np.argsort(arrival[rows], kind="stable")[:keep]])
         if unblocked is None:
             kept: np.ndarray | slice = slice(0, keep)
         else:
