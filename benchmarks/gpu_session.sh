@@ -31,9 +31,12 @@ case "$SET" in
     # After a kernel, upload or step-path change: graph-mode rows of the tiny Llama against HF
     # fp32 (what `dense` checks first, in a fifth of its time), on the V2 runner and then the V1
     # runner, with last/mean reductions against each run's all-row capture (the run's "reduced"),
-    # and idle capture nodes switched off in a real CUDA graph (no engine).
+    # idle capture nodes switched off in a real CUDA graph, and a drain's gather (no engine).
     timeout 120 python3 $G graph-nodes --report "$OUT/graph_nodes_report.json" >"$OUT/graph_nodes.log" 2>&1
     echo "graph-nodes rc=$? $(tail -1 "$OUT/graph_nodes.log" | cut -c1-400)"
+    # A drain's gather on the device, in the store's order and as the ring holds them (no engine).
+    timeout 120 python3 $G drain-order --report "$OUT/drain_order_report.json" >"$OUT/drain_order.log" 2>&1
+    echo "drain-order rc=$? $(tail -1 "$OUT/drain_order.log" | cut -c1-400)"
     run llama_graph --model llama --mode graph
     compare llama_graph llama
     # The same prompts through the V1 runner's wrapper, compared with V2's rows (bit-identical in

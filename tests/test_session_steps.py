@@ -1789,6 +1789,23 @@ def test_drained_rows_arrive_in_the_stores_order_and_are_kept_as_they_are(batch_
     check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([a.rid, b.rid]))
 
 
+def test_a_drain_gathers_pending_rows_in_the_given_order(tmp_path):
+    """``CaptureGraphState.drain`` with an order, an enabled subset and rows past the ring's
+    start, against the rows picked on the host: the check the H200's ``verify`` runs on CUDA."""
+    import importlib.util
+    from argparse import Namespace
+    from pathlib import Path
+
+    path = Path(__file__).parent / "gpu" / "gpu_checks.py"
+    spec = importlib.util.spec_from_file_location("gpu_checks", path)
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    report = tmp_path / "drain_order.json"
+    checks.drain_order_check(Namespace(device="cpu", report=str(report)))
+    cases = json.loads(report.read_text())["cases"]
+    assert len(cases) == 4 and all(c["ok"] for c in cases)
+
+
 def test_a_budget_keeps_the_earliest_rows_of_a_reordered_drain():
     """Rows past the budget are the latest planned, even when the drain put them in another
     order: b runs first in every step but is registered second."""

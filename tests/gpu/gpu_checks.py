@@ -319,6 +319,52 @@ def graph_nodes_check(args) -> None:
     print(json.dumps(report))
 
 
+def drain_order_check(args) -> None:
+    """A drain's gather on the device (no engine): pending ring rows of the enabled sites, in a
+    given order or as they are, with one site's labels, against the same rows picked on the
+    host."""
+    import numpy as np
+
+    from vllm_capture.capture_graph.state import CaptureGraphState
+
+    dev = torch.device(args.device)
+    state = CaptureGraphState(device=dev, capacity=64, ring_slots=2)
+    for layer in range(3):
+        state.add_site("hidden_states", layer, f"model.layers.{layer}", 96, torch.bfloat16)
+    state.allocate()
+    rng = np.random.default_rng(0)
+    report = {"device": str(dev), "cases": []}
+    for layers, start, n, ordered in ((None, 0, 50, True), ({0, 2}, 7, 41, True),
+                                      ({1}, 3, 64, False), (None, 64, 64, True)):
+        state.set_enabled("hidden_states", layers)
+        [group] = state.groups["hidden_states"]
+        group.ring.copy_(torch.randn(group.ring.shape).to(torch.bfloat16))
+        group.labels.copy_(torch.from_numpy(rng.integers(0, 1 << 20, group.labels.shape)))
+        buf = state.streams["hidden_states"]
+        buf.pending_start, buf.offset = start, start + n
+        order = rng.permutation(n) if ordered else None
+        drained = state.drain("hidden_states", order)
+        drained.wait()
+        ring, labels = group.ring.cpu(), group.labels.cpu()
+        rows = np.arange(start, start + n) if order is None else start + order
+        ok = True
+        for i, site in enumerate(group.sites):
+            if not site.enabled:
+                ok &= site.layer_id not in drained.layers
+                continue
+            got_rows, got_labels = drained.layers[site.layer_id]
+            ok &= torch.equal(got_rows, ring[i, torch.from_numpy(rows)])
+            first = group.enabled[0]
+            ok &= torch.equal(got_labels, labels[first, torch.from_numpy(rows)])
+        report["cases"].append({"layers": None if layers is None else sorted(layers),
+                                "start": start, "rows": n, "ordered": ordered, "ok": bool(ok)})
+        buf.copies.clear()
+        buf.pending_start = buf.offset = 0
+    report["ok"] = all(c["ok"] for c in report["cases"])
+    Path(args.report).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -349,9 +395,12 @@ def main() -> None:
     d.add_argument("--report", required=True)
     g = sub.add_parser("graph-nodes", help="switching capture nodes of a real CUDA graph")
     g.add_argument("--report", required=True)
+    o = sub.add_parser("drain-order", help="a drain's gather, ordered and not, no engine")
+    o.add_argument("--device", default="cuda")
+    o.add_argument("--report", required=True)
     args = p.parse_args()
     {"run": run, "compare": compare, "dtype-drift": dtype_drift,
-     "graph-nodes": graph_nodes_check}[args.cmd](args)
+     "graph-nodes": graph_nodes_check, "drain-order": drain_order_check}[args.cmd](args)
 
 
 if __name__ == "__main__":

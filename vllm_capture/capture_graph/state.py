@@ -412,8 +412,9 @@ class CaptureGraphState:
         if order is not None and len(order) != n:
             raise ValueError(f"{component}: an order of {len(order)} rows for {n} pending rows")
         cuda = self.device.type == "cuda"
-        # Uploaded on the current stream, before the event the copy stream waits for.
-        index = None if order is None else self._device_index(order)
+        # Ring rows in ``order``, uploaded on the current stream, before the event the copy stream
+        # waits for.
+        index = None if order is None else self._device_index(order + start)
         event = None
         if cuda:
             done = torch.cuda.Event()
@@ -426,17 +427,20 @@ class CaptureGraphState:
             if cuda and index is not None:
                 index.record_stream(self._copy_stream)
             for group in groups:
-                # [enabled sites, n, width]: only the pending rows of enabled layers.
-                rows = group.ring[:, start:start + n].index_select(0, group.enabled_index)
-                if index is not None:
-                    rows = rows.index_select(1, index)
+                # [enabled sites, n, width]: only the pending rows of enabled layers, in one
+                # gather (its result is the only device memory a drain takes, outside vLLM's
+                # memory profile; a prefill step's drain can be GiBs).
+                if index is None:
+                    rows = group.ring[:, start:start + n].index_select(0, group.enabled_index)
+                else:
+                    rows = group.ring[group.enabled_index.unsqueeze(1), index]
                 if cuda:
                     # set_enabled may replace the index while this gather is still queued.
                     group.enabled_index.record_stream(self._copy_stream)
                 if labels is None:
-                    labels = group.labels[group.enabled[0], start:start + n]
-                    labels = _to_host(labels if index is None else labels.index_select(0, index),
-                                      cuda)
+                    site_labels = group.labels[group.enabled[0]]
+                    labels = _to_host(site_labels[start:start + n] if index is None
+                                      else site_labels.index_select(0, index), cuda)
                 if cuda:  # on the CPU, index_select made ``rows`` for this drain alone
                     rows = _to_host(rows, cuda)
                 for k, i in enumerate(group.enabled):
