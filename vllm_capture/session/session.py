@@ -149,7 +149,7 @@ class _Drained:
     rows: Any  # DrainedRows
     condition: np.ndarray | None
     conditions: list
-    # The drain's order: row i is the i-th planned row ``order[i]`` (None: the planned order).
+    # The drain's order: its row i is planned row ``order[i]`` (None: rows as planned).
     order: np.ndarray | None = None
 
 

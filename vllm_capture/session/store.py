@@ -428,7 +428,7 @@ class StreamStore:
         were produced, when they come in another) and counted in ``tokens_dropped``.
 
         With ``adopt`` the caller hands its tensors over (host copies made for this append
-        alone, such as finalized reductions): while the store holds under ``ADOPT_BYTES``, a
+        alone: drained rows, finalized reductions): while the store holds under ``ADOPT_BYTES``, a
         layer whose rows are all kept, in order and in their own dtype, is stored as it is
         instead of copied into fresh memory.
         """
