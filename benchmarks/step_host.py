@@ -15,8 +15,8 @@ begin + end inside vLLM, 5 us here.
     python3 benchmarks/step_host.py [--layers 16 --requests 64 --steps 2000 --device cuda]
 
 Prints one JSON line: microseconds per decode step (median and 90th percentile) for
-begin + end, and the plan copies the decode steps made (for last and mean, one: the first decode
-step's; steady decode makes none).
+begin + end, the plan copies the decode steps made (one: the first decode step's; steady decode
+makes none) and, for ``all``, the steps that only set the device plan's step count.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
         step_us.append((time.perf_counter() - t0) * 1e6)
 
     step(prefill, 0, capacity)
-    uploads = state.plan_uploads
+    uploads, moved = state.plan_uploads, state.plan_steps
     step_us.clear()
     for k in range(steps):
         step(decode, PROMPT + k, requests)
@@ -83,7 +83,7 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
     return {"device": device.type, "layers": layers, "requests": requests, "reduce": reduce,
             "steps": steps, "begin_end_us": round(statistics.median(step_us), 2),
             "begin_end_us_p90": round(float(np.percentile(step_us, 90)), 2),
-            "plan_uploads": state.plan_uploads - uploads}
+            "plan_uploads": state.plan_uploads - uploads, "plan_steps": state.plan_steps - moved}
 
 
 def main() -> int:

@@ -67,7 +67,7 @@ def brute(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc,
     site[0] += 1
     if int(site[1]) == 0:
         return
-    mode, count, offset, _ = [int(v) for v in plan_meta]
+    mode, count, offset, step = [int(v) for v in plan_meta]
     T, W = x.shape
     cap = plan.shape[1]
 
@@ -83,6 +83,7 @@ def brute(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc,
         return int(input_ids[row])
 
     if mode == 1:
+        offset += step * count  # a repeated step: its rows follow the last one's
         if offset < 0:
             return
         for r in range(max(0, min(count, cap, T))):
@@ -95,7 +96,7 @@ def brute(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc,
                 v, tok = torch.zeros(W), -1
             ring[offset + r] = v.to(ring.dtype)
             ring_labels[offset + r, 0] = int(plan[1, r])
-            ring_labels[offset + r, 1] = int(plan[2, r])
+            ring_labels[offset + r, 1] = int(plan[2, r]) + step
             ring_labels[offset + r, 2] = tok
     elif mode in (2, 3):
         for s in range(max(0, min(count, cap, T))):
@@ -164,11 +165,11 @@ def clone(b):
     return {k: v.clone() for k, v in b.items()}
 
 
-def set_rows_plan(g, b, T, count, offset, *, shuffle=False):
+def set_rows_plan(g, b, T, count, offset, *, shuffle=False, step=0):
     rows = torch.randperm(T, generator=g)[:count]
     if not shuffle:
         rows = rows.sort().values
-    b["plan_meta"][:] = torch.tensor([L.MODE_ROWS, count, offset, 0])
+    b["plan_meta"][:] = torch.tensor([L.MODE_ROWS, count, offset, step])
     b["plan"][L.PLAN_ROW, :count] = rows.to(torch.int32)
     b["plan"][L.PLAN_REQ, :count] = torch.randint(0, 1000, (count,), generator=g, dtype=torch.int32)
     b["plan"][L.PLAN_POS, :count] = torch.randint(0, 9000, (count,), generator=g, dtype=torch.int32)
@@ -272,6 +273,30 @@ def test_rows_random_plan(W, x_dtype, ring_dtype, with_res, layout, ids_dtype):
     for k in ("acc", "acc_labels", "acc_count"):
         assert torch.equal(got[k], b[k])
     for other in (slice(0, offset), slice(offset + count, None)):
+        assert torch.equal(bits(got["ring"][other]), bits(b["ring"][other]))
+        assert torch.equal(got["ring_labels"][other], b["ring_labels"][other])
+
+
+@needs_triton
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_repeated_step_writes_after_the_last_one_a_position_further(step):
+    """``META_STEP``: the plan of ``count`` rows at ``offset``, ``step`` steps on, writes ring rows
+    ``offset + step * count`` onwards, its position labels ``step`` further; the rows before and
+    after stay as they were."""
+    g = torch.Generator().manual_seed(step)
+    T, W, cap, count, offset = 21, 37, 24, 9, 4
+    b = make_bufs(g, cap=cap, W=W, ring_rows=offset + 5 * count, ring_dtype=torch.bfloat16,
+                  acc_slots=1)
+    rows = set_rows_plan(g, b, T, count, offset=offset, shuffle=True, step=step)
+    x = make_x(g, T, W, torch.float32, "transposed")
+    out = run_all(x, None, make_ids(g, T, torch.int32), b)
+    assert_same(out)
+    got, first = out["triton"], offset + step * count
+    mine = slice(first, first + count)
+    assert torch.equal(got["ring_labels"][mine, L.LABEL_POS], b["plan"][L.PLAN_POS, :count] + step)
+    assert torch.equal(got["ring_labels"][mine, L.LABEL_REQ], b["plan"][L.PLAN_REQ, :count])
+    assert torch.equal(bits(got["ring"][first]), bits(x[int(rows[0])].to(torch.bfloat16)))
+    for other in (slice(0, first), slice(first + count, None)):
         assert torch.equal(bits(got["ring"][other]), bits(b["ring"][other]))
         assert torch.equal(got["ring_labels"][other], b["ring_labels"][other])
 
@@ -681,7 +706,7 @@ def test_reference_matches_brute_force(seed, mode, T, W, cap, x_dtype, ring_dtyp
     if mode in (L.MODE_OFF, L.MODE_ROWS):
         # Offsets from before the ring (nothing written) to past its end (rows cut at the end).
         set_rows_plan(g, b, T, round(frac * min(T, cap)), offset=seed % (ring_rows + 3) - 1,
-                      shuffle=seed % 3 == 0)
+                      shuffle=seed % 3 == 0, step=seed % 4 if seed % 5 else 0)
         b["plan_meta"][L.META_MODE] = mode
     else:
         set_segment_plan(g, b, T, mode, round(frac * min(T // 2, cap, acc_slots)), acc_slots)
@@ -780,7 +805,7 @@ def test_compile_variants_compiles_what_the_engine_launches(monkeypatch):
 
 
 def test_layout_constants():
-    assert (L.META_MODE, L.META_COUNT, L.META_OFFSET, L.META_FIELDS) == (0, 1, 2, 4)
+    assert (L.META_MODE, L.META_COUNT, L.META_OFFSET, L.META_STEP, L.META_FIELDS) == (0, 1, 2, 3, 4)
     assert (L.MODE_OFF, L.MODE_ROWS, L.MODE_LAST, L.MODE_MEAN) == (0, 1, 2, 3)
     assert (L.PLAN_ROW, L.PLAN_REQ, L.PLAN_POS, L.PLAN_FIELDS) == (0, 1, 2, 4)
     assert (L.PLAN_SEG_START, L.PLAN_SEG_COUNT, L.PLAN_SEG_SLOT, L.PLAN_SEG_REQ) == (0, 1, 2, 3)

@@ -1538,18 +1538,39 @@ def _check_fetched(engine, ref, reduce: str, reqs) -> None:
 
 @pytest.mark.parametrize("reduce", ["last", "mean", "all"])
 def test_a_step_repeating_the_last_plan_uploads_nothing(reduce):
-    """At steady decode a reduction's plan repeats step after step: the device keeps it, and only
-    a changed plan is copied. Row streams move on in their ring, so every step uploads. The
-    rows still come out right: the fake model reads the plan from the device buffer."""
+    """At steady decode a plan repeats step after step: the device keeps it, and only a changed
+    plan is copied. A reduction's plan is the same; a row stream's moves on in the ring and in
+    position, which the device plan's step count says (one value set, no copy). The rows still
+    come out right: the fake model reads the plan from the device buffer."""
     engine, ref, a, b = _prefilled_pair(reduce, generated=4)
-    uploads = [engine.state.plan_uploads]
+    uploads, moved = [engine.state.plan_uploads], [engine.state.plan_steps]
     while not a.done:
         engine.step([(a, 1), (b, 1)])
         uploads.append(engine.state.plan_uploads)
-    steps = np.diff(uploads).tolist()
-    assert len(steps) == 4
-    assert steps == ([1, 1, 1, 1] if reduce == "all" else [1, 0, 0, 0])
+        moved.append(engine.state.plan_steps)
+    assert np.diff(uploads).tolist() == [1, 0, 0, 0]
+    assert np.diff(moved).tolist() == ([0, 1, 1, 1] if reduce == "all" else [0, 0, 0, 0])
+    if reduce == "all":
+        assert int(engine.state.streams[HS].meta[L.META_STEP]) == 3
     _check_fetched(engine, ref, reduce, (a, b))
+
+
+def test_a_plan_written_after_repeats_is_copied_even_if_it_equals_the_devices_first():
+    """After repeated steps the device's plan differs from the one copied (its step count moved
+    on), so a plan equal to that first one, back at the ring's start, is still copied."""
+    state = CaptureGraphState(device=torch.device("cpu"), capacity=4, ring_slots=2)
+    state.add_site(HS, 0, "model.layers.0", 8, torch.float32)
+    state.allocate()
+    buf = state.streams[HS]
+    rows, req = np.arange(4, dtype=np.int32), np.arange(4, dtype=np.int32)
+    positions = np.full(4, 7, dtype=np.int32)
+    state.upload_rows(HS, rows, req, positions)
+    state.upload_rows(HS, rows, req, positions + 1, repeat=True)
+    assert (state.plan_uploads, state.plan_steps, int(buf.meta[L.META_STEP])) == (1, 1, 1)
+    buf.pending_start = buf.offset  # drained: the next step may start the ring again
+    state.upload_rows(HS, rows, req, positions)  # the first plan's image, at row 0 again
+    assert state.plan_uploads == 2
+    assert int(buf.meta[L.META_STEP]) == 0 and int(buf.meta[L.META_OFFSET]) == 0
 
 
 @pytest.mark.parametrize("reduce", ["all", "mean"])
@@ -1562,7 +1583,7 @@ def test_a_request_preempted_after_repeated_steps_is_not_captured_twice(reduce):
         engine.step([(a, 1), (b, 1)])
     uploads = engine.state.plan_uploads
     engine.step([(a, 1), (b, 1)])
-    assert engine.state.plan_uploads == uploads + (reduce == "all")  # a repeat: nothing planned
+    assert engine.state.plan_uploads == uploads  # a repeat: nothing planned, nothing copied
     engine.preempt(a)
     engine.step([(b, 1), (a, a.known)])
     while not a.done or not b.done:
@@ -1706,7 +1727,7 @@ def test_int64_input_ids_and_ring_wraps():
     engine.session.enable_stream(HS)
     uploads, drains, waits = [], [], []  # steps per drain
     upload, drain, wait = engine.state.upload_rows, engine.state.drain, engine.state._wait_for_copies
-    engine.state.upload_rows = lambda *args: uploads.append(1) or upload(*args)
+    engine.state.upload_rows = lambda *args, **kw: uploads.append(1) or upload(*args, **kw)
     engine.state.drain = lambda *args: drains.append(len(uploads)) or uploads.clear() or drain(*args)
     engine.state._wait_for_copies = lambda buf, start, end: waits.append(
         [(first, stop) for first, stop, _ in buf.copies if first < end and start < stop]) or wait(
@@ -1732,7 +1753,7 @@ def test_drains_are_due_by_bytes_or_half_the_ring(drain_bytes, steps_per_drain):
     engine.session.enable_stream(HS)
     uploads, drains = [], []
     upload, drain = engine.state.upload_rows, engine.state.drain
-    engine.state.upload_rows = lambda *args: uploads.append(1) or upload(*args)
+    engine.state.upload_rows = lambda *args, **kw: uploads.append(1) or upload(*args, **kw)
     engine.state.drain = lambda *args: drains.append(len(uploads)) or uploads.clear() or drain(*args)
     reqs = [Req(num=i, prompt=[1], gen=[2] * 60) for i in range(2)]
     while not all(r.done for r in reqs):

@@ -64,6 +64,7 @@ if HAVE_TRITON:
     _META_MODE = tl.constexpr(L.META_MODE)
     _META_COUNT = tl.constexpr(L.META_COUNT)
     _META_OFFSET = tl.constexpr(L.META_OFFSET)
+    _META_STEP = tl.constexpr(L.META_STEP)
     _SITE_EXECUTIONS = tl.constexpr(L.SITE_EXECUTIONS)
     _SITE_ENABLED = tl.constexpr(L.SITE_ENABLED)
     _PLAN_FIELDS = tl.constexpr(L.PLAN_FIELDS)
@@ -104,6 +105,7 @@ if HAVE_TRITON:
         mode = tl.load(meta_ptr + _META_MODE)
         count = tl.load(meta_ptr + _META_COUNT)
         offset = tl.load(meta_ptr + _META_OFFSET)
+        step = tl.load(meta_ptr + _META_STEP)
         # The program's plan entries, fields 0-3 (PLAN_ROW/REQ/POS or PLAN_SEG_START/COUNT/SLOT/
         # REQ, by mode); within the plan's capacity, whatever the mode and count turn out to be.
         e = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -122,13 +124,15 @@ if HAVE_TRITON:
                            other=_NO_TOKEN)
         if enabled != 0:
             if mode == _MODE_ROWS:
+                # A repeated step's rows follow the last one's, each a position further.
+                first = offset + step * count
                 n = tl.minimum(tl.minimum(tl.maximum(count, 0), tl.minimum(T, cap)),
-                               ring_rows - offset)
-                if (pid_r * BLOCK_R < n) & (offset >= 0):
+                               ring_rows - first)
+                if (pid_r * BLOCK_R < n) & (first >= 0):
                     gather_rows_tile(
                         x_ptr, res_ptr, ids_ptr, ring_ptr, ring_labels_ptr,
-                        plan0, plan1, plan2, spec_ok, spec_x, spec_tok,
-                        n, offset, T, W, n_ids,
+                        plan0, plan1, plan2 + step, spec_ok, spec_x, spec_tok,
+                        n, first, T, W, n_ids,
                         stride_xt, stride_xw, stride_rt, stride_rw, stride_ids,
                         pid_r, pid_w, HAS_RES, UNIT_W, BLOCK_R, BLOCK_W)
             elif (mode == _MODE_LAST) | (mode == _MODE_MEAN):

@@ -1,11 +1,12 @@
 """Row gather (``MODE_ROWS``): planned activation rows -> the ring, at this step's offset, with labels.
 
 Semantics (shared by the Triton device function and the torch reference), for
-``r < n = clamp(plan_meta[META_COUNT], 0, min(T, cap))`` and ``offset = plan_meta[META_OFFSET]``::
+``r < n = clamp(plan_meta[META_COUNT], 0, min(T, cap))``, ``step = plan_meta[META_STEP]`` and
+``offset = plan_meta[META_OFFSET] + step * plan_meta[META_COUNT]``::
 
     row = plan[PLAN_ROW, r]
     ring[offset + r, :]     = cast(fp32(x[row]) (+ fp32(residual[row])))     # add in fp32, one rounding
-    ring_labels[offset + r] = (plan[PLAN_REQ, r], plan[PLAN_POS, r], int32(input_ids[row]))
+    ring_labels[offset + r] = (plan[PLAN_REQ, r], plan[PLAN_POS, r] + step, int32(input_ids[row]))
 
 Nothing is written when ``offset < 0``, and entries with ``offset + r >= ring_rows`` are skipped
 (the host never plans past the ring's end; the kernel still stays in bounds). ``n`` is capped by
@@ -126,7 +127,8 @@ def gather_rows_reference(
         return
     mode = plan_meta[L.META_MODE]
     count = plan_meta[L.META_COUNT]
-    offset = plan_meta[L.META_OFFSET]
+    step = plan_meta[L.META_STEP]
+    offset = plan_meta[L.META_OFFSET] + step * count
     active = (mode == L.MODE_ROWS) & (offset >= 0) & enabled
     if allow_sync:
         if not bool(active):
@@ -147,6 +149,6 @@ def gather_rows_reference(
     rows_c = rows.clamp(0, T - 1)
     v = _rows_f32(x, residual, rows_c).masked_fill(~row_ok[:, None], 0.0)
     ring.index_put_((dst,), torch.where(live[:, None], v.to(ring.dtype), ring[dst]))
-    labels = torch.stack((plan[L.PLAN_REQ, :n_max], plan[L.PLAN_POS, :n_max],
+    labels = torch.stack((plan[L.PLAN_REQ, :n_max], plan[L.PLAN_POS, :n_max] + step,
                           _token_ids(input_ids, rows_c, row_ok)), dim=1).to(torch.int32)
     ring_labels.index_put_((dst,), torch.where(live[:, None], labels, ring_labels[dst]))

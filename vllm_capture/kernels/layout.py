@@ -12,7 +12,11 @@ Per stream (one stream = one selection feeding one or more sites):
     ``[META_COUNT]`` number of planned rows (``MODE_ROWS``) or segments (``MODE_LAST``/``MODE_MEAN``);
     ``[META_OFFSET]`` first ring row this step's rows go to (``MODE_ROWS`` only): steps pack
                      their rows one after another, so the host drains many steps in one copy;
-    ``[3]``          reserved, keep 0.
+    ``[META_STEP]``  steps since the plan was written (``MODE_ROWS`` only, 0 with a fresh plan):
+                     the step's rows go to ring rows ``OFFSET + STEP * COUNT + r`` with positions
+                     ``plan[PLAN_POS, r] + STEP``. A decode step that repeats the last one (the
+                     same rows, every position one further) sets this one value instead of
+                     copying a plan.
 
 ``plan`` int32 ``[PLAN_FIELDS, cap]``, stored entry-major (strides ``(1, PLAN_FIELDS)``: the
     fields of one entry are adjacent), so a step's plan is one contiguous prefix of
@@ -44,6 +48,7 @@ import torch
 META_MODE = 0
 META_COUNT = 1
 META_OFFSET = 2
+META_STEP = 3
 META_FIELDS = 4
 
 # modes

@@ -357,6 +357,7 @@ class CaptureSession:
             # copies none, so far fewer than steps.
             "host_timers": {"steps": self._host_steps,
                             "plan_uploads": 0 if gs is None else gs.plan_uploads,
+                            "plan_steps": 0 if gs is None else gs.plan_steps,
                             **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()},
                             "gc_ms": round((_gc_timer.seconds - self._gc_baseline) * 1e3, 3)},
         }
@@ -499,7 +500,8 @@ class CaptureSession:
                 if not gs.fits(st.component, len(plan.rows)):
                     self._drain(st)
                 gs.upload_rows(st.component, plan.rows, plan.req_index,
-                               plan.positions if positions is None else positions)
+                               plan.positions if positions is None else positions,
+                               repeat=positions is not None)
                 st.pending_steps.append(PendingStep(
                     plan.req_index, plan.condition if plan.conditions else None, plan.conditions))
             elif positions is None or not gs.holds_plan(st.component):
