@@ -298,14 +298,18 @@ class EngineRun:
                 self.emit(name, type="pinned", cpus=sorted(c for g in groups[1:] for c in g),
                           client_cpus=groups[0])
 
+    def engine_processes(self, name: str) -> list[int]:
+        """The processes engine ``name`` started and their children, as they are now."""
+        return [q for p in self.engine_pids.get(name, ()) for q in (p, *descendants(p))]
+
     def place(self, rep: int) -> dict[str, list[int]]:
         """Pin each engine's processes to its CPU group of ``rep`` (``S.rotated_cpus``); {} when
         the engines are not pinned."""
         if not self.engine_cpu_groups:
             return {}
         cpus = S.rotated_cpus(self.engine_names, self.engine_cpu_groups, rep)
-        for name, pids in self.engine_pids.items():
-            pin([q for p in pids for q in (p, *descendants(p))], cpus[name])
+        for name in self.engine_pids:
+            pin(self.engine_processes(name), cpus[name])
         return cpus
 
     def start_engine(self, name: str) -> None:
@@ -411,7 +415,7 @@ class EngineRun:
         reset_peak_rss(pids)
         # Where the generate's CPU time goes, thread by thread: the engine's processes and this
         # client (whose one process serves every engine).
-        engine_procs = [q for p in self.engine_pids.get(scen.engine, ()) for q in (p, *descendants(p))]
+        engine_procs = self.engine_processes(scen.engine)
         threads_before = thread_times(engine_procs), thread_times([os.getpid()])
         t = time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)

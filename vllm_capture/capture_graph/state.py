@@ -79,8 +79,8 @@ class StreamPlanBuffers:
     step_cell: torch.Tensor  # view: meta[META_STEP], what a repeated step sets
     mode: int = L.MODE_OFF
     count: int = 0
-    # MODE_ROWS: steps the device's plan has been repeated (its META_STEP), and the ring row its
-    # first step's rows went to.
+    # MODE_ROWS: steps the device's plan has been repeated (its META_STEP; the host image's stays
+    # 0, so every copy resets it), and the ring row its first step's rows went to.
     step: int = 0
     plan_offset: int = 0
     # The bytes of the prefix of ``host`` that ``buffer`` holds (None: unknown, or switched off).
@@ -363,7 +363,6 @@ class CaptureGraphState:
         host[L.META_MODE] = mode
         host[L.META_COUNT] = count
         host[L.META_OFFSET] = offset
-        host[L.META_STEP] = 0
         plan = L.plan_view(host[L.META_FIELDS:])
         for i, col in enumerate(columns):
             plan[i, :count] = col
