@@ -328,7 +328,9 @@ class GraphNodes:
 
 
 def _current_stream() -> int:
-    return torch.cuda.current_stream().cuda_stream
+    # The raw handle in two C calls: torch.cuda.current_stream() builds a Stream object through
+    # several Python frames, on every replay of a graph, where torch's own replay pays nothing.
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
 
 def _generator_offset() -> int:
