@@ -142,6 +142,11 @@ def main() -> int:
         per_step = {k: round(statistics.median(r["timers"][k] for r in reps) / steps, 4)
                     for k in ("begin_step_ms", "end_step_ms", "harvest_ms", "harvest_sync_ms",
                               "harvest_cpu_ms")}
+        repeats = statistics.median(r["timers"].get("repeat_steps", 0) for r in reps)
+        # begin_step of a step that planned nothing (steady decode), per such step.
+        per_step["begin_repeat_ms"] = (
+            round(statistics.median(r["timers"]["begin_repeat_ms"] for r in reps) / repeats, 4)
+            if repeats else None)
         logs = [math.log(runs[S.IDLE][i]["gen_s"] / r["gen_s"]) for i, r in enumerate(reps)]
         fetches = [r["fetch_s"] for r in reps if r["fetch_s"] is not None]
         summary[case] = {

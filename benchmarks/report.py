@@ -33,8 +33,8 @@ def _max(values):
 FETCH_STAGES = ("finalize", "drain", "wait", "serialize", "write")
 
 
-def _per_step(rep: dict, *keys: str) -> float | None:
-    steps = rep.get("host_steps")
+def _per_step(rep: dict, *keys: str, steps_key: str = "host_steps") -> float | None:
+    steps = rep.get(steps_key)
     if not steps or any(rep.get(k) is None for k in keys):
         return None
     return sum(rep[k] for k in keys) / steps
@@ -159,6 +159,9 @@ def aggregate(reps: list[dict]) -> dict:
         # Capture's host time per step on the step path, and on the harvest thread (rank 0).
         "host_ms_per_step": _median(per_rep(lambda r: _per_step(
             r, "host_begin_step_ms", "host_end_step_ms", "host_finish_requests_ms"))),
+        # begin_step of the steps that planned nothing (steady decode), each.
+        "repeat_ms_per_step": _median(per_rep(lambda r: _per_step(
+            r, "host_begin_repeat_ms", steps_key="host_repeat_steps"))),
         "harvest_ms_per_step": _median(per_rep(lambda r: _per_step(r, "host_harvest_ms"))),
         # Of the harvest thread's time, what it spent waiting for device-to-host copies.
         "harvest_sync_ms_per_step": _median(per_rep(lambda r: _per_step(r, "host_harvest_sync_ms"))),
@@ -405,7 +408,8 @@ def markdown(report: dict) -> str:
         lines.append("| scenario | engine | tok/s | ratio | best ratio | tok/s e2e | ratio e2e "
                      "| paired e2e (95% CI) | vs idle (e2e) | fetch s "
                      "| fetch in worker ms (finalize/drain/wait/serialize/write) "
-                     "| rows/s | GB/s | B/token | rows (expected) | dropped | host ms/step (harvest; its copy waits) "
+                     "| rows/s | GB/s | B/token | rows (expected) | dropped "
+                     "| host ms/step (a repeated step's begin; harvest; its copy waits) "
                      "| client peak RSS GiB | engine peak RSS GiB |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, a in rows.items():
@@ -421,7 +425,8 @@ def markdown(report: dict) -> str:
                 f"| {'/'.join(_f(a.get(f'fetch_{k}_ms'), '{:.0f}') for k in FETCH_STAGES)} "
                 f"| {_f(a['rows_s'], '{:.3g}')} | {_f(a['gbps'], '{:.2f}')} | {_f(a['bytes_per_token'], '{:.0f}')} "
                 f"| {rows_txt} | {a['dropped']} "
-                f"| {_f(a.get('host_ms_per_step'), '{:.3f}')} ({_f(a.get('harvest_ms_per_step'), '{:.3f}')}"
+                f"| {_f(a.get('host_ms_per_step'), '{:.3f}')} ({_f(a.get('repeat_ms_per_step'), '{:.3f}')}"
+                f"; {_f(a.get('harvest_ms_per_step'), '{:.3f}')}"
                 f"; {_f(a.get('harvest_sync_ms_per_step'), '{:.3f}')}) "
                 f"| {_f(a['client_peak_rss'], '{:.2f}', GIB)} "
                 f"| {_f(a['engine_peak_rss'], '{:.2f}', GIB)} |")

@@ -297,10 +297,12 @@ def test_aggregate_medians():
 def test_aggregate_host_time_per_step():
     reps = [{"gen_s": 1.0, "generated_tokens": 100, "host_steps": steps,
              "host_begin_step_ms": 30.0, "host_end_step_ms": 10.0, "host_finish_requests_ms": 0.0,
-             "host_harvest_ms": 50.0, "host_harvest_sync_ms": 20.0}
+             "host_harvest_ms": 50.0, "host_harvest_sync_ms": 20.0,
+             "host_begin_repeat_ms": 12.0, "host_repeat_steps": steps - 20}
             for steps in (100, 50, 200)]
     a = R.aggregate(reps)
     assert a["host_ms_per_step"] == pytest.approx(0.4)  # median of 0.4, 0.8, 0.2
+    assert a["repeat_ms_per_step"] == pytest.approx(0.15)  # median of 12/80, 12/30, 12/180
     assert a["harvest_ms_per_step"] == pytest.approx(0.5)
     assert a["harvest_sync_ms_per_step"] == pytest.approx(0.2)
     assert a["fetch_write_ms"] is None  # no fetch timers: a column of "-"
@@ -416,20 +418,25 @@ def test_thread_times_follow_each_thread_of_a_process():
     mains = [name for name, _, _ in before.values() if name.endswith(" (main)")]
     assert mains == [f"{Path(f'/proc/{os.getpid()}/comm').read_text().strip()} (main)"]
 
+    spun, release = threading.Event(), threading.Event()
+
     def spin():
-        end = time.thread_time() + 0.3
+        end = time.thread_time() + 0.1
         while time.thread_time() < end:
             pass
+        spun.set()
+        release.wait()
 
     worker = threading.Thread(target=spin)
     worker.start()
-    worker.join(0.15)
+    assert spun.wait(30)
     mid = thread_times([os.getpid()])  # the spinner is alive: its tid is seen
+    release.set()
     worker.join()
     assert worker.native_id in mid and worker.native_id not in before
     spent = thread_time_spent(before, mid)
     others = sum(cpu for name, (cpu, _) in spent.items() if name not in mains)
-    assert others > 50.0  # ms: it spun for about 150 ms of wall time before the snapshot
+    assert others >= 95.0  # ms: by its own clock it spun 100 ms of CPU before the snapshot
     assert thread_time_spent({1: ("a", 5_000_000, 1_000_000)},
                              {1: ("a", 7_000_000, 4_000_000), 2: ("b", 1_000_000, 0)}) == {
         "a": [2.0, 3.0], "b": [1.0, 0.0]}

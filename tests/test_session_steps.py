@@ -1544,12 +1544,20 @@ def test_a_step_repeating_the_last_plan_uploads_nothing(reduce):
     come out right: the fake model reads the plan from the device buffer."""
     engine, ref, a, b = _prefilled_pair(reduce, generated=4)
     uploads, moved = [engine.state.plan_uploads], [engine.state.plan_steps]
+    timers = [engine.session.stream_status(HS)["host_timers"]]
     while not a.done:
         engine.step([(a, 1), (b, 1)])
         uploads.append(engine.state.plan_uploads)
         moved.append(engine.state.plan_steps)
+        timers.append(engine.session.stream_status(HS)["host_timers"])
     assert np.diff(uploads).tolist() == [1, 0, 0, 0]
     assert np.diff(moved).tolist() == ([0, 1, 1, 1] if reduce == "all" else [0, 0, 0, 0])
+    # The timers tell the steps that planned nothing apart: begin_repeat is their begin_step.
+    assert [t["repeat_steps"] for t in timers] == [0, 0, 1, 2, 3]
+    assert [t["steps"] for t in timers] == [1, 2, 3, 4, 5]
+    grew = np.diff([t["begin_repeat_ms"] for t in timers]) > 0
+    assert grew.tolist() == [False, True, True, True]
+    assert 0 < timers[-1]["begin_repeat_ms"] < timers[-1]["begin_step_ms"]
     if reduce == "all":
         assert int(engine.state.streams[HS].meta[L.META_STEP]) == 3
     _check_fetched(engine, ref, reduce, (a, b))

@@ -200,7 +200,8 @@ class CaptureSession:
         self._step_executions_baseline: int | None = None
         self._eager_forwards = 0
         # Host time the step path spends in capture code (begin/end of a step, finished
-        # requests).
+        # requests); "begin_repeat" is the part of begin_step spent on steps that planned
+        # nothing (every stream repeated its last step: steady decode), over repeat_steps.
         # "harvest" is the harvest thread's (off the step path, but it shares the GIL), of which
         # "harvest_sync" waited for device-to-host copies to finish (a fetch storing reductions
         # itself adds its wait there too); "harvest_cpu" is the CPU time the thread spent in it
@@ -213,13 +214,15 @@ class CaptureSession:
         # the reply file, write_copy copied the rows, write_keep kept or let go of mappings and
         # write_release let go of the rows' sources, using release_cpu of CPU time
         # (shm.WRITE_PARTS).
-        self._host_s = {"begin_step": 0.0, "end_step": 0.0, "finish_requests": 0.0,
+        self._host_s = {"begin_step": 0.0, "begin_repeat": 0.0, "end_step": 0.0,
+                        "finish_requests": 0.0,
                         "harvest": 0.0, "harvest_sync": 0.0, "harvest_cpu": 0.0,
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
                         "fetch_store": 0.0, "fetch_serialize": 0.0, "fetch_write": 0.0,
                         **{f"fetch_write_{part}": 0.0 for part in WRITE_PARTS}}
         self._gc_baseline = _gc_timer.seconds
         self._host_steps = 0
+        self._repeat_steps = 0
         # What capture added to the engine's start, by part (the worker fills it in at load;
         # graph copies are in the graph_nodes status).
         self.startup_ms: dict[str, float] = {}
@@ -355,7 +358,7 @@ class CaptureSession:
             "startup_ms": {**self.startup_ms, **({} if gs is None else gs.startup_ms)},
             # plan_uploads: host-to-device plan copies; steady decode repeats its plan and
             # copies none, so far fewer than steps.
-            "host_timers": {"steps": self._host_steps,
+            "host_timers": {"steps": self._host_steps, "repeat_steps": self._repeat_steps,
                             "plan_uploads": 0 if gs is None else gs.plan_uploads,
                             "plan_steps": 0 if gs is None else gs.plan_steps,
                             **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()},
@@ -468,14 +471,21 @@ class CaptureSession:
 
     def begin_step(self, step: StepBuffers) -> None:
         t0 = time.perf_counter()
+        planned = True
         try:
-            self._begin_step(step)
+            planned = self._begin_step(step)
         finally:
-            self._host_s["begin_step"] += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self._host_s["begin_step"] += spent
             self._host_steps += 1
+            if not planned:
+                self._host_s["begin_repeat"] += spent
+                self._repeat_steps += 1
 
-    def _begin_step(self, step: StepBuffers) -> None:
+    def _begin_step(self, step: StepBuffers) -> bool:
+        """Whether any stream planned this step (False: every one repeated its last)."""
         gs = self.graph_state
+        planned = False
         if self._step_executions_baseline is None:
             site = self._reference_site()
             self._step_executions_baseline = (
@@ -485,6 +495,7 @@ class CaptureSession:
             repeat = st.repeat
             positions = None if repeat is None else repeat.advance(step)
             if positions is None:
+                planned = True
                 self._drop_repeat(st)
                 if geometry is None:
                     geometry = step.geometry()
@@ -513,6 +524,7 @@ class CaptureSession:
                                    plan.slot, st.slot_req_index[plan.slot])
         gs.step_eager_launches = 0
         gs.step_active = True
+        return planned
 
     def _drop_repeat(self, st: Stream) -> None:
         """Stop repeating ``st``'s last step: the tracks and reduction positions the repeat moved
