@@ -317,7 +317,8 @@ def graph_nodes_check(args) -> None:
         with torch.cuda.stream(s):
             streams.append(graph_nodes._current_stream() == torch.cuda.current_stream().cuda_stream)
     report["raw_stream_matches"] = streams
-    report["ok"] = (report["raw_stream_matches"] == [True, True] and report["both_on"] == [1, 1] and report["site0_off"] == [1, 2]
+    report["ok"] = (report["raw_stream_matches"] == [True, True]
+                    and report["both_on"] == [1, 1] and report["site0_off"] == [1, 2]
                     and report["site0_off_again"] == [1, 3] and report["site0_on_again"] == [2, 4]
                     and report["both_off"] == [2, 4] and report["torch_op_runs"] == 10.0
                     and report["status_after_capture"]["nodes"] == 2
