@@ -360,16 +360,21 @@ def test_layers_with_one_set_of_labels_share_their_encoded_labels_and_others_kee
     a, b = store.request_index("a"), store.request_index("b")
     values, meta = _interleaved([(a, 1), (b, 1)])
     store.append_layers({0: values, 1: values}, meta, {0: "l0", 1: "l1"})
-    # Layer 2 spans two appends: its labels are gathered into a fresh array at each fetch.
-    for pairs in ([(a, 2)], [(b, 3)]):
+    # Layers 2 and 3 span two appends: their labels are gathered into a fresh array each, equal
+    # to each other. Layer 4 spans the same appends with one row fewer: labels of its own.
+    for pairs, extra in (([(a, 2)], []), ([(b, 3)], [(a, 3)])):
         values, meta = _interleaved(pairs)
-        store.append(2, values, meta, "l2")
+        store.append_layers({2: values, 3: values}, meta, {2: "l2", 3: "l3"})
+        values, meta = _interleaved(extra or pairs)
+        store.append(4, values, meta, "l4")
     wire = store.serialize()
     assert wire[0]["meta"] is wire[1]["meta"] and wire[2]["meta"] is not wire[0]["meta"]
+    assert wire[3]["meta"] is wire[2]["meta"] and wire[4]["meta"] is not wire[2]["meta"]
     _, metas = deserialize_captured(wire)
     labels = [list(zip(metas[layer].req_ids, metas[layer].positions.tolist()))
-              for layer in (0, 1, 2)]
-    assert labels == [[("a", 1), ("b", 1)]] * 2 + [[("a", 2), ("b", 3)]]
+              for layer in range(5)]
+    assert labels == ([[("a", 1), ("b", 1)]] * 2 + [[("a", 2), ("b", 3)]] * 2
+                      + [[("a", 2), ("a", 3)]])
 
 
 ROW_BYTES = WIDTH * 4 + 3 * 4  # float32 values plus int32 labels

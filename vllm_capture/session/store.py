@@ -894,9 +894,10 @@ class StreamStore:
                 self._index_chunks()
             result: dict[int, dict[str, Any]] = {}
             emitted: list[tuple[int, _Spans]] = []
-            # Layers stored from one append that leave whole share their labels array: encoded
-            # once (by identity; the entry keeps the array alive, so its id is not reused).
-            encoded: dict[int, tuple[np.ndarray, dict[str, Any]]] = {}
+            # Layers whose rows carry the same labels share one encoding: those one append left
+            # whole share the labels array itself, those gathered from several appends an equal
+            # one (a stream's layers store the same rows), each compared with the last encoded.
+            encoded: tuple[np.ndarray, dict[str, Any]] | None = None
             for layer_id in wanted:
                 # A fetch of every request takes a layer held in one chunk, all of it live (as
                 # one append of a generate's reductions leaves it), as it is: no spans.
@@ -909,14 +910,14 @@ class StreamStore:
                     if spans is None:
                         continue
                     rows, meta = self._gather(layer_id, spans)
-                hit = encoded.get(id(meta))
-                if hit is None or hit[0] is not meta:
-                    hit = encoded[id(meta)] = (meta, encode_capture_labels(meta, self.req_table))
+                if encoded is None or not (encoded[0] is meta or (
+                        encoded[0].shape == meta.shape and np.array_equal(encoded[0], meta))):
+                    encoded = (meta, encode_capture_labels(meta, self.req_table))
                 result[layer_id] = encode_capture_layer(
                     rows.dtype,
                     rows.shape,
                     rows if raw_data else rows.tobytes(),
-                    hit[1],
+                    encoded[1],
                     self.layer_names[layer_id],
                 )
                 emitted.append((layer_id, spans, whole))
