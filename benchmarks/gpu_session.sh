@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | ablation | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | ablation | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -181,6 +181,14 @@ PY
     # with graphs in the same run: what an eager-only tool pays for router logits.
     python3 benchmarks/run.py --suite full --model moe --engines vanilla-graph,capture-eager \
       --workloads decode-c64 --reps 2 --budget-s 480 --grace-s 60 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 30
+    ;;
+  bench-8b-decode)
+    # The 8B's decode-c64 targets in one run (idle; last token; 4 layers of hidden states and of
+    # heads) and heavy (hidden states of every layer and position, 4.8 GB a generate: past the
+    # store's ADOPT_BYTES, so copied as before 58a15b9 from there), 4 reps; about 5 minutes.
+    python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
+      --scenarios vanilla,idle,hidden-last,hidden-4l,heads-4l,heavy --reps 4 --budget-s 300 \
+      --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 20
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi
