@@ -565,6 +565,87 @@ def test_scattered_and_span_by_span_gathers_fetch_the_same_rows(monkeypatch, req
     assert tensors[0][:, 0].tolist() == [float(p) for _ in order for p in range(20)]
 
 
+@pytest.mark.parametrize("requests", [3, 12])  # spans copied one by one; chunks scattered
+def test_layers_whose_chunks_match_share_one_gather_plan_and_others_plan_their_own(
+        monkeypatch, requests):
+    """A fetch plans a layer's gather once for the layers after it whose chunks match it chunk
+    for chunk, and anew for a layer whose chunks differ (in labels, live rows, count, dtype or
+    width): every layer gets the rows a model of the appends expects, as a fetch of it alone
+    does."""
+    store = StreamStore(StreamConfig(budget_rows=1000))
+    names = [f"r{i}" for i in range(requests)]
+    indices = [store.request_index(name) for name in names]
+    # Appended together, one append_layers a drain: 0-2, 4, 7 and 11-12 as they are, 3 in
+    # bfloat16, 5 twice as wide, 8 and 9 losing r0's and r2's rows below (as many), 10 in the
+    # first two drains alone. Appended on its own: 6, the same rows per request at other
+    # positions.
+    together = [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12]
+    model: dict[int, list[tuple[int, int]]] = {layer: [] for layer in range(13)}
+    rng = random.Random(5)
+    for drain in range(3):
+        pairs = [(index, 2 * drain + step) for step in range(2)
+                 for index in rng.sample(indices, requests)]
+        layers = [layer for layer in together if drain < 2 or layer != 10]
+        rows = {layer: _interleaved(pairs, layer)[0] for layer in layers}
+        rows[3] = rows[3].to(torch.bfloat16)
+        rows[5] = torch.cat((rows[5], rows[5]), dim=1)
+        store.append_layers(rows, _interleaved(pairs)[1], {layer: f"l{layer}" for layer in layers})
+        shifted = [(index, position + 100) for index, position in pairs]
+        store.append(6, *_interleaved(shifted, layer=6), "l6")
+        for layer in layers:
+            model[layer] += pairs
+        model[6] += shifted
+    for layer, name in ((8, "r0"), (9, "r2")):
+        store.serialize(layers=[layer], req_ids=[name], clear_selected=True)
+        model[layer] = [pair for pair in model[layer] if names[pair[0]] != name]
+        # The dead rows stay in their chunks (none is under half live): only live flags tell
+        # 8 from 7 (and from 9).
+        assert [chunk.live_rows for chunk in store.chunks[layer].values()] == [2 * requests - 2] * 3
+
+    def expected(layer, picked=None):
+        rows = sorted((pair for pair in model[layer] if picked is None or names[pair[0]] in picked),
+                      key=lambda pair: pair[0])  # registration order, then append order
+        values = torch.cat([_rows(index, [position], layer)[0] for index, position in rows])
+        if layer == 5:
+            values = torch.cat((values, values), dim=1)
+        return ([(names[index], position) for index, position in rows],
+                values.to(torch.bfloat16 if layer == 3 else torch.float32))
+
+    planned, scattered = [], []
+    plan_gather, scatter = StreamStore._plan_gather, StreamStore._scatter
+    monkeypatch.setattr(StreamStore, "_plan_gather", lambda self, layer_id, spans: (
+        planned.append(layer_id) or plan_gather(self, layer_id, spans)))
+    monkeypatch.setattr(StreamStore, "_scatter",
+                        staticmethod(lambda *args: scattered.append(1) or scatter(*args)))
+
+    def check_fetch(must_plan, picked=None, clear=False):
+        req_ids = None if picked is None else list(picked)
+        alone = {layer: _fetch(store, layers=[layer], req_ids=req_ids)[0][layer]
+                 for layer in store.chunks}
+        planned.clear()
+        labels, tensors = _fetch(store, req_ids=req_ids, clear_selected=clear)
+        assert planned == must_plan
+        for layer in range(13):
+            want_labels, want_values = expected(layer, picked)
+            assert labels[layer] == alone[layer] == want_labels
+            assert tensors[layer].dtype == want_values.dtype
+            assert torch.equal(tensors[layer], want_values)
+
+    differ = [0, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # each layer unlike the one before it
+    check_fetch(differ)
+    assert bool(scattered) == (requests > 8)
+    # Every request but r1, in no particular order: the chunks keep r1's rows alone, compacted.
+    picked = names[:1] + names[:1:-1]
+    check_fetch(differ, picked, clear=True)
+    for layer in model:
+        model[layer] = [pair for pair in model[layer] if pair[0] == indices[1]]
+    _assert_consistent(store)
+    # Compacted apart, each layer's chunks hold equal arrays of their own: 8 and 9 match 7.
+    check_fetch([0, 3, 4, 5, 6, 7, 10, 11])
+    store.serialize(clear_selected=True)
+    assert store.chunks == {} and store.status()["bytes_stored"] == 0
+
+
 def test_large_blocks_copy_through_torch_with_the_same_results():
     """Blocks of 2 MiB and more take torch's copies instead of numpy's."""
     store = StreamStore(StreamConfig(budget_rows=10_000))

@@ -13,7 +13,8 @@ dead, and chunks are freed when empty and compacted when mostly dead (see
 ``StreamStore``). A fetch with ``raw_data`` copies no rows: it hands out each
 layer's rows as a ``FetchedRows`` (byte count known, copy planned) that the
 caller copies once, into its own buffer (the worker: its shared-memory reply
-file, ``session/shm.py``).
+file, ``session/shm.py``); layers whose chunks match (a drain appends every
+layer alike) share one copy plan.
 """
 
 import collections
@@ -133,15 +134,18 @@ class FetchedRows:
     exists (compaction builds a new tensor).
     """
 
-    __slots__ = ("dtype", "shape", "nbytes", "_pieces")
+    __slots__ = ("dtype", "shape", "nbytes", "_sources", "_pieces")
 
-    def __init__(self, dtype: torch.dtype, rows: int, pieces: list[tuple]):
-        width = pieces[0][0].shape[1]
+    def __init__(self, dtype: torch.dtype, rows: int,
+                 sources: list[tuple[torch.Tensor, np.ndarray]], pieces: list[tuple]):
+        width = sources[0][0].shape[1]
         self.dtype = dtype  # promoted over the sources' dtypes
         self.shape = (rows, width)
         self.nbytes = rows * width * dtype.itemsize
-        # (source tensor, its numpy view, source rows, destination rows); rows are slices or
-        # int64 index arrays, and sources of another dtype come with slices only.
+        # Sources are (tensor, its numpy view); pieces (index in sources, source rows, destination
+        # rows), shared by layers gathered by one plan. Rows are slices or int64 index arrays,
+        # and sources of another dtype come with slices only.
+        self._sources = sources
         self._pieces = pieces
 
     def copy_into(self, out) -> None:
@@ -154,7 +158,8 @@ class FetchedRows:
                              f"got {kind} {dst.nbytes}-byte one")
         dst = dst.reshape(self.shape)
         dst_t = None  # torch view of dst, made on first use
-        for source, raw, src, to in self._pieces:
+        for index, src, to in self._pieces:
+            source, raw = self._sources[index]
             if not isinstance(to, slice) or (
                 source.dtype == self.dtype and (to.stop - to.start) * raw[:1].nbytes < _LARGE_COPY
             ):
@@ -170,7 +175,8 @@ class FetchedRows:
     def tensor(self) -> torch.Tensor:
         """The rows as one tensor: the source chunk's own when they are one whole
         chunk (do not write to it), else a fresh copy."""
-        source, _, src, to = self._pieces[0]
+        index, src, to = self._pieces[0]
+        source = self._sources[index][0]
         if (len(self._pieces) == 1 and source.dtype == self.dtype and isinstance(to, slice)
                 and isinstance(src, slice) and src.stop - src.start == source.shape[0]):
             return source
@@ -181,6 +187,32 @@ class FetchedRows:
     def tobytes(self) -> bytes:
         """The rows in the wire layout, as bytes (the RPC reply's ``data``)."""
         return _raw(self.tensor()).astype(WIRE_RAW_DTYPES[self.dtype], copy=False).tobytes()
+
+
+class _GatherPlan(NamedTuple):
+    """How a fetch gathers one layer's spans, naming chunks by their position in the layer (in
+    chunk id order), so that it serves any layer whose chunks match the planned layer's chunk
+    for chunk (``_same_chunks``), as every layer one drain appends does."""
+
+    dtype: torch.dtype  # promoted over the sources' dtypes
+    rows: int
+    sources: list[int]  # positions of the chunks the rows come from
+    pieces: list[tuple]  # (index in sources, source rows, destination rows), in wire order
+    meta: np.ndarray  # the rows' labels
+    spans: _Spans  # the planned layer's
+    span_chunks: np.ndarray  # positions of the spans' chunks
+
+    def rows_in(self, layer: dict[int, _Chunk]) -> FetchedRows:
+        """The layer's rows, gathered by this plan."""
+        chunks = list(layer.values())
+        # The rows name the chunks' current tensors: compaction may replace them later.
+        sources = [(chunks[p].tensor, chunks[p].raw) for p in self.sources]
+        return FetchedRows(self.dtype, self.rows, sources, self.pieces)
+
+    def spans_in(self, layer: dict[int, _Chunk]) -> _Spans:
+        """The layer's spans this plan gathers (those ``_kill`` takes)."""
+        chunk_ids = np.fromiter(layer, dtype=np.int64, count=len(layer))
+        return self.spans._replace(chunk=chunk_ids[self.span_chunks])
 
 
 class StreamStore:
@@ -710,21 +742,29 @@ class StreamStore:
         spans = self._scan_spans(layer_id, wanted)
         return spans if spans.req.size else None
 
-    def _gather(self, layer_id: int, spans: _Spans) -> tuple[FetchedRows, np.ndarray]:
+    def _plan_gather(self, layer_id: int, spans: _Spans) -> _GatherPlan:
         """Plan the copy of the spans' rows in wire order, and copy their labels.
 
         Wire order: requests by registration, each request's rows in append
         (chunk id) order.
         """
         layer = self.chunks[layer_id]
+        chunk_ids = np.fromiter(layer, dtype=np.int64, count=len(layer))
+        span_chunks = np.searchsorted(chunk_ids, spans.chunk)
         total = int(spans.length.sum())
         first = layer[int(spans.chunk[0])]
         if first.rows == total and (spans.chunk == spans.chunk[0]).all():
-            return _whole_rows(first), first.meta  # the whole chunk, in wire order
+            rows = slice(0, total)  # the whole chunk, in wire order
+            return _GatherPlan(first.tensor.dtype, total, [int(span_chunks[0])], [(0, rows, rows)],
+                               first.meta, spans, span_chunks)
         order = np.lexsort((spans.chunk, self._rank[spans.req]))
+        sources = _distinct(span_chunks)
+        in_layer = list(layer.values())
+        chunks = [in_layer[p] for p in sources]
+        source = np.searchsorted(sources, span_chunks)  # each span's chunk, in chunks
         dtypes = self._layer_dtypes[layer_id]
         if len(dtypes) > 1:  # only what these chunks hold
-            dtypes = {layer[c].tensor.dtype for c in _distinct(spans.chunk)}
+            dtypes = {chunk.tensor.dtype for chunk in chunks}
         dtype = functools.reduce(torch.promote_types, dtypes)
         spans_count = spans.req.size
         row_bytes = first.tensor.shape[1] * dtype.itemsize
@@ -732,34 +772,33 @@ class StreamStore:
             len(dtypes) == 1
             and spans_count > 8
             and total * row_bytes < _SCATTER_SPAN_BYTES * spans_count
-            and spans_count > 8 * len(_distinct(spans.chunk))
+            and spans_count > 8 * len(chunks)
         ):
             # Many small spans per chunk (decode steps drained together): a Python
             # step per span would dominate, so scatter each chunk's rows at once.
-            pieces = self._scatter(layer, spans, order, total)
+            pieces = self._scatter(chunks, source, spans, order, total)
         else:
             # Few or long spans: their row ranges, one after another in wire order.
             starts, lens = spans.start[order], spans.length[order]
             dst = np.cumsum(lens) - lens
             pieces = [
-                (layer[c], slice(s, s + n), slice(d, d + n))
-                for c, s, n, d in zip(
-                    spans.chunk[order].tolist(), starts.tolist(), lens.tolist(), dst.tolist()
+                (i, slice(s, s + n), slice(d, d + n))
+                for i, s, n, d in zip(
+                    source[order].tolist(), starts.tolist(), lens.tolist(), dst.tolist()
                 )
             ]
         meta = np.empty((total, 3), dtype=np.int32)
-        for chunk, src, to in pieces:
-            meta[to] = chunk.meta[src]
-        # The rows' plan names the chunks' current tensors: compaction may replace them later.
-        rows = [(chunk.tensor, chunk.raw, src, to) for chunk, src, to in pieces]
-        return FetchedRows(dtype, total, rows), meta
+        for i, src, to in pieces:
+            meta[to] = chunks[i].meta[src]
+        return _GatherPlan(dtype, total, sources, pieces, meta, spans, span_chunks)
 
     @staticmethod
     def _scatter(
-        layer: dict[int, _Chunk], spans: _Spans, order: np.ndarray, total: int
-    ) -> list[tuple[_Chunk, np.ndarray | slice, np.ndarray]]:
+        chunks: list[_Chunk], source: np.ndarray, spans: _Spans, order: np.ndarray, total: int
+    ) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
         """Many small spans per chunk: one row scatter per chunk, as
-        ``(chunk, source rows, destination rows)``.
+        ``(index in chunks, source rows, destination rows)``; ``source`` is each
+        span's chunk, as its index in ``chunks`` (in chunk id order).
 
         Within a chunk, spans ascend in both source and destination rows: the
         chunk stores its requests in registration order.
@@ -767,22 +806,22 @@ class StreamStore:
         lens = spans.length
         dst = np.empty_like(lens)
         dst[order] = np.cumsum(lens[order]) - lens[order]
-        by_chunk = np.lexsort((spans.start, spans.chunk))
-        chunk_ids = spans.chunk[by_chunk]
+        by_chunk = np.lexsort((spans.start, source))
+        source = source[by_chunk]
         starts, lens, dst = spans.start[by_chunk], lens[by_chunk], dst[by_chunk]
         first_row = np.cumsum(lens) - lens
         span_of = np.repeat(np.arange(lens.size), lens)
         within = np.arange(total, dtype=np.int64) - first_row[span_of]
         src_rows, dst_rows = starts[span_of] + within, dst[span_of] + within
-        edges = _run_starts(chunk_ids)
+        edges = _run_starts(source)
         row_edges = first_row[edges].tolist() + [total]
         pieces = []
-        for g, chunk_id in enumerate(chunk_ids[edges].tolist()):
-            chunk = layer[chunk_id]
+        for g, index in enumerate(source[edges].tolist()):
+            chunk = chunks[index]
             r0, r1 = row_edges[g], row_edges[g + 1]
             # The whole chunk (in order) or some of its rows.
             src = slice(0, chunk.rows) if r1 - r0 == chunk.rows else src_rows[r0:r1]
-            pieces.append((chunk, src, dst_rows[r0:r1]))
+            pieces.append((index, src, dst_rows[r0:r1]))
         return pieces
 
     def _kill(self, layer_id: int, spans: _Spans) -> None:
@@ -893,25 +932,33 @@ class StreamStore:
             if selected:
                 self._index_chunks()
             result: dict[int, dict[str, Any]] = {}
-            emitted: list[tuple[int, _Spans]] = []
+            emitted: list[tuple[int, _GatherPlan | None, tuple[int, _Chunk] | None]] = []
+            # The last layer planned and its plan: a layer whose chunks match its chunk for chunk
+            # (every layer one drain appends) gathers by the same plan, where planning (a Python
+            # step per span) would cost most of the fetch.
+            planned: tuple[dict[int, _Chunk], _GatherPlan] | None = None
             # Layers whose rows carry the same labels share one encoding: those one append left
-            # whole share the labels array itself, those gathered from several appends an equal
-            # one (a stream's layers store the same rows), each compared with the last encoded.
+            # whole share the labels array itself, those gathered by one plan too, those
+            # gathered from several appends an equal one (a stream's layers store the same
+            # rows), each compared with the last encoded.
             encoded: tuple[np.ndarray, dict[str, Any]] | None = None
             for layer_id in wanted:
                 # A fetch of every request takes a layer held in one chunk, all of it live (as
                 # one append of a generate's reductions leaves it), as it is: no spans.
                 whole = self._whole_layer(layer_id) if selected is None else None
                 if whole is not None:
-                    spans = None
+                    plan = None
                     rows, meta = _whole_rows(whole[1]), whole[1].meta
                 else:
-                    spans = self._layer_spans(layer_id, selected)
-                    if spans is None:
-                        continue
-                    rows, meta = self._gather(layer_id, spans)
-                if encoded is None or not (encoded[0] is meta or (
-                        encoded[0].shape == meta.shape and np.array_equal(encoded[0], meta))):
+                    layer = self.chunks[layer_id]
+                    if planned is None or not _same_chunks(planned[0], layer):
+                        spans = self._layer_spans(layer_id, selected)
+                        if spans is None:
+                            continue
+                        planned = (layer, self._plan_gather(layer_id, spans))
+                    plan = planned[1]
+                    rows, meta = plan.rows_in(layer), plan.meta
+                if encoded is None or not _same_values(encoded[0], meta):
                     encoded = (meta, encode_capture_labels(meta, self.req_table))
                 result[layer_id] = encode_capture_layer(
                     rows.dtype,
@@ -920,11 +967,12 @@ class StreamStore:
                     encoded[1],
                     self.layer_names[layer_id],
                 )
-                emitted.append((layer_id, spans, whole))
+                emitted.append((layer_id, plan, whole))
             if clear_selected:
                 touched: set[int] = set()
-                for layer_id, spans, whole in emitted:
+                for layer_id, plan, whole in emitted:
                     if whole is None:
+                        spans = plan.spans_in(self.chunks[layer_id])
                         touched.update(_distinct(spans.req))
                         self._kill(layer_id, spans)
                     else:
@@ -1059,10 +1107,34 @@ def _distinct(values: np.ndarray) -> list[int]:
     return ordered[_run_starts(ordered)].tolist()
 
 
+def _same_chunks(planned: dict[int, _Chunk], layer: dict[int, _Chunk]) -> bool:
+    """Whether ``layer``'s chunks match ``planned``'s chunk for chunk: the same rows of one dtype
+    and width, labels, spans and live spans, so that a gather plan of one is the other's. Chunks
+    one drain appends share their label and span arrays, found equal at once."""
+    if len(planned) != len(layer):
+        return False
+    for a, b in zip(planned.values(), layer.values()):
+        if (a.tensor.dtype != b.tensor.dtype or a.tensor.shape != b.tensor.shape
+                or a.live_rows != b.live_rows or not _same_values(a.meta, b.meta)
+                or not _same_values(a.reqs, b.reqs) or not _same_values(a.starts, b.starts)
+                or not _same_values(a.lens, b.lens)):
+            return False
+        # Live flags are each chunk's own; chunks all live hold the same ones.
+        if a.live_rows != a.rows and not np.array_equal(a.live, b.live):
+            return False
+    return True
+
+
+def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays are one, or of one shape and equal."""
+    return a is b or (a.shape == b.shape and np.array_equal(a, b))
+
+
 def _whole_rows(chunk: _Chunk) -> FetchedRows:
     """All of a chunk's rows, in its order (which is wire order)."""
     rows = slice(0, chunk.rows)
-    return FetchedRows(chunk.tensor.dtype, chunk.rows, [(chunk.tensor, chunk.raw, rows, rows)])
+    return FetchedRows(chunk.tensor.dtype, chunk.rows, [(chunk.tensor, chunk.raw)],
+                       [(0, rows, rows)])
 
 
 def _run_starts(values: np.ndarray) -> np.ndarray:
