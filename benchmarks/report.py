@@ -156,6 +156,10 @@ def aggregate(reps: list[dict]) -> dict:
         "nvml_used": _max(per_rep(lambda r: r.get("nvml_used"))),
         "graph_replays": _median(per_rep(lambda r: r.get("graph_replays"))),
         "eager_forwards": _median(per_rep(lambda r: r.get("eager_forwards"))),
+        # Of the replays, those from a copy without idle sites' capture nodes; and the idle sites'
+        # nodes that replays by torch ran (GPU work for nothing).
+        "copy_replays": _median(per_rep(lambda r: r.get("copy_replays"))),
+        "idle_nodes_replayed": _median(per_rep(lambda r: r.get("idle_nodes_replayed"))),
         # Capture's host time per step on the step path, and on the harvest thread (rank 0).
         "host_ms_per_step": _median(per_rep(lambda r: _per_step(
             r, "host_begin_step_ms", "host_end_step_ms", "host_finish_requests_ms"))),
@@ -380,6 +384,25 @@ def _threads_table(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _replays_table(rows: dict[str, dict]) -> list[str]:
+    """Markdown lines: each capture scenario's graph replays and eager capture forwards a
+    generate, the replays from a copy without idle sites' capture nodes, and the idle sites'
+    nodes that replays by torch ran."""
+    shown = {name: a for name, a in rows.items() if a.get("graph_replays") is not None}
+    if not shown:
+        return []
+    lines = ["", "Forwards a generate on the capture engine (rank 0): graph replays, those from a "
+             "copy without idle sites' capture nodes, the idle sites' nodes that replays by "
+             "torch ran (GPU work for nothing), and eager capture forwards:", "",
+             "| scenario | graph replays | from a copy | idle nodes run | eager forwards |",
+             "|---|---|---|---|---|"]
+    for name, a in shown.items():
+        cells = [_f(a.get(k), "{:.0f}") for k in
+                 ("graph_replays", "copy_replays", "idle_nodes_replayed", "eager_forwards")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     env, lines = report.get("env", {}), []
     lines.append(f"# vllm-capture benchmark: suite `{report['suite']}`, model {report['model_label']}")
@@ -438,6 +461,7 @@ def markdown(report: dict) -> str:
             "Median generate tok/s by the scenario that ran just before (a capture's fetch can "
             "slow the next generate, on any engine):")
         lines += _threads_table(rows)
+        lines += _replays_table(rows)
     lines.append("")
     lines.append("## Engines")
     lines.append("")

@@ -370,7 +370,10 @@ class EngineRun:
             return {}
         st = self.api.capture_status(self.llms[engine], S.HIDDEN)
         timers = st.get("host_timers") or {}
+        nodes = st.get("graph_nodes") or {}  # None where no driver copies graphs (the CPU)
         return {"graph_replays": st.get("graph_replays"), "eager_forwards": st.get("eager_capture_forwards"),
+                "copy_replays": nodes.get("copy_replays"),
+                "idle_nodes_replayed": nodes.get("idle_nodes_replayed"),
                 **{f"host_{k}": v for k, v in timers.items()}}
 
     def drain(self, llm, cap: S.Capture, w: S.Workload) -> dict:

@@ -442,6 +442,28 @@ def test_thread_times_follow_each_thread_of_a_process():
         "a": [2.0, 3.0], "b": [1.0, 0.0]}
 
 
+def test_report_gives_each_capture_scenarios_replays_from_copies_and_idle_nodes_run():
+    ms = [*_m("vanilla", 1000.0),
+          *_m("idle", 990.0, reps=(0,), graph_replays=256, eager_forwards=1, copy_replays=256,
+              idle_nodes_replayed=0),
+          *_m("idle", 990.0, reps=(1,), graph_replays=256, eager_forwards=1, copy_replays=250,
+              idle_nodes_replayed=192),
+          *_m("idle", 990.0, reps=(2,), graph_replays=256, eager_forwards=1, copy_replays=252,
+              idle_nodes_replayed=128),
+          # A capture engine whose status has no graph copies (no driver): replays only.
+          *_m("hidden-last", 970.0, graph_replays=256, eager_forwards=1)]
+    t = R.summarize(ms)["decode-c64"]
+    assert (t["idle"]["copy_replays"], t["idle"]["idle_nodes_replayed"]) == (252, 128)
+    assert t["vanilla"]["copy_replays"] is None
+    md = R.markdown(_report(ms))
+    assert "| scenario | graph replays | from a copy | idle nodes run | eager forwards |" in md
+    assert "| idle | 256 | 252 | 128 | 1 |" in md
+    assert "| hidden-last | 256 | - | - | 1 |" in md
+    assert "| vanilla | " not in md.split("graph replays | from a copy")[1]
+    # Without replay counts (vanilla only), no table.
+    assert "from a copy" not in R.markdown(_report(_m("vanilla", 1000.0)))
+
+
 def test_report_gives_cpu_time_per_step_by_thread():
     def m(scenario, rep, main, harvest=None):
         engine = {"VLLM::EngineCor (main)": [main * 100, 0.5 * 100]}

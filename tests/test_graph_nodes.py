@@ -78,7 +78,8 @@ def test_idle_sites_nodes_are_left_out_of_a_graph_adopted_later_but_the_pinned_s
     status = nodes.status()
     assert status.pop("copy_ms") >= 0
     assert status == {"graphs": 1, "nodes": 4, "nodes_left_out": 2, "graph_copies": 1,
-                      "copy_failures": 0, "unnoted_launches": 0}
+                      "copy_failures": 0, "unnoted_launches": 0, "copy_replays": 0,
+                      "idle_nodes_replayed": 0}
     # Every site on: torch's own executable graph, which has every node.
     nodes.set_sites({200: True})
     assert nodes.launch_for(graph) is None
@@ -306,3 +307,38 @@ def test_status_counts_only_left_out_nodes_of_graphs_that_replay_a_copy(pinned):
     nodes.set_sites({100: False, 200: False})
     assert nodes.status()["nodes_left_out"] == (1 if pinned else 2)
     assert left_out(nodes, driver, graph) == ({2} if pinned else {1, 2})
+
+
+def test_replays_count_those_from_a_copy_and_the_idle_nodes_that_torchs_replays_ran(monkeypatch):
+    driver = FakeDriver()
+    nodes = GraphNodes(driver, pinned={400})  # the replay counter's site: its node always runs
+    nodes.set_sites({200: False, 400: False})
+    monkeypatch.setattr(graph_nodes, "_active", nodes)
+    monkeypatch.setattr(graph_nodes, "_current_stream", lambda: 7)
+    monkeypatch.setattr(graph_nodes, "_generator_offset", lambda: 0)
+    graph = graph_nodes.kept_graph_class(FakeTorchGraph)()
+    for node, key in [(8, 400), (5, 200), (6, 200), (7, 300)]:
+        driver.capturing[7] = (1, [node])
+        nodes.note_launch(key, stream=7)
+    driver.capturing.clear()
+    graph.capture_end()
+
+    def counted():
+        status = nodes.status()
+        return status["copy_replays"], status["idle_nodes_replayed"], graph.replays
+
+    graph.replay()  # torch's first: site 200's two nodes ran
+    assert counted() == (0, 2, 1)
+    graph.replay()
+    graph.replay()
+    assert counted() == (2, 2, 1)
+    nodes.set_sites({200: True})  # every site on: torch's replay runs no idle node
+    graph.replay()
+    assert counted() == (2, 2, 2)
+    nodes.set_sites({300: False})
+    graph.replay()
+    assert counted() == (3, 2, 2)
+    driver.fail = True  # no copy without both sites: torch replays, their three nodes with it
+    nodes.set_sites({200: False})
+    graph.replay()
+    assert counted() == (3, 5, 3)

@@ -267,8 +267,9 @@ def graph_nodes_check(args) -> None:
     """The driver calls of ``graph_nodes`` on a real graph, no engine: capture two sites' kernels
     (each followed by a torch op) into a KeptCUDAGraph, then replay it with a site idle (from a
     copy without that site's node), with it on again (torch's own replay), and with both idle.
-    The execution counters say which kernels ran; the torch ops must run in every replay. The
-    stream a copy is launched on is the current one's raw handle, on any stream."""
+    The execution counters say which kernels ran; the torch ops must run in every replay; the
+    registry's replay counts say the same. The stream a copy is launched on is the current one's
+    raw handle, on any stream."""
     from vllm_capture.capture_graph import graph_nodes
     from vllm_capture.kernels import launch_capture, warmup
     from vllm_capture.kernels import layout as L
@@ -311,6 +312,9 @@ def graph_nodes_check(args) -> None:
     nodes.set_sites({sites[0].data_ptr(): False, sites[1].data_ptr(): False})
     report["both_off"] = replay()
     report["torch_op_runs"] = float(out.item())
+    # Three of the five replays ran a copy; torch's two ran no idle site's node.
+    end = nodes.status()
+    report["replays_counted"] = [end["copy_replays"], end["idle_nodes_replayed"]]
     # Replays launch on the handle graph_nodes reads; torch's, on the default and a side stream.
     streams = []
     for s in (torch.cuda.current_stream(), stream):
@@ -318,6 +322,7 @@ def graph_nodes_check(args) -> None:
             streams.append(graph_nodes._current_stream() == torch.cuda.current_stream().cuda_stream)
     report["raw_stream_matches"] = streams
     report["ok"] = (report["raw_stream_matches"] == [True, True]
+                    and report["replays_counted"] == [3, 0]
                     and report["both_on"] == [1, 1] and report["site0_off"] == [1, 2]
                     and report["site0_off_again"] == [1, 3] and report["site0_on_again"] == [2, 4]
                     and report["both_off"] == [2, 4] and report["torch_op_runs"] == 10.0

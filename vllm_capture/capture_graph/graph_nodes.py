@@ -177,6 +177,7 @@ class _Graph:
     variants: dict[frozenset, int] = field(default_factory=dict)  # removed sites -> graph exec
     use: int | None = None  # the copy replays launch; None: torch's own exec
     draws_random: bool | None = None  # known after its first replay
+    idle_nodes: int = 0  # nodes of idle sites (not pinned): what a replay by torch runs for nothing
 
 
 @dataclass
@@ -192,6 +193,11 @@ class GraphNodes:
     unnoted_launches: int = 0
     copy_failures: int = 0
     copy_seconds: float = 0.0  # spent making copies (at adopt and at each switch)
+    # Replays, counted as they launch: from a copy, and the idle sites' nodes that replays by
+    # torch ran (a graph's first, or one that could not be copied), so that a run can tell
+    # whether its idle capture nodes stayed out of the GPU's work.
+    copy_replays: int = 0
+    idle_nodes_replayed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def note_launch(self, key: int, stream: int) -> None:
@@ -258,6 +264,12 @@ class GraphNodes:
             return None
         return entry.use
 
+    def count_torch_replay(self, cuda_graph) -> None:
+        """``cuda_graph`` replays by torch, with every node it was captured with."""
+        entry = self._graphs.get(id(cuda_graph))
+        if entry is not None:
+            self.idle_nodes_replayed += entry.idle_nodes
+
     def unchecked(self, cuda_graph) -> bool:
         """Whether ``cuda_graph`` was never replayed (by torch), so its use of random numbers
         is not known yet."""
@@ -277,10 +289,13 @@ class GraphNodes:
 
     def _choose(self, entry: _Graph) -> None:
         """Point ``entry`` at the copy without its idle sites' nodes, made if need be."""
-        if entry.graph() is None or self.driver is None or entry.draws_random:
+        if entry.graph() is None:
             return
         with self._lock:
             removed = frozenset(k for k in entry.by_site if k in self._off and k not in self.pinned)
+        entry.idle_nodes = sum(len(entry.by_site[k]) for k in removed)
+        if self.driver is None or entry.draws_random:
+            return
         if not removed:
             entry.use = None
             return
@@ -312,7 +327,8 @@ class GraphNodes:
 
     def status(self) -> dict[str, int]:
         """How many graphs and nodes are tracked, how many nodes replays leave out now (idle
-        sites'), and the copies held."""
+        sites'), the copies held, and the replays so far: from a copy, and the idle sites' nodes
+        that replays by torch ran."""
         with self._lock:
             graphs = [g for g in self._graphs.values() if g.graph() is not None]
             off = set(self._off) - self.pinned
@@ -324,7 +340,9 @@ class GraphNodes:
                 "graph_copies": sum(len(g.variants) for g in graphs),
                 "copy_failures": self.copy_failures,
                 "copy_ms": round(self.copy_seconds * 1e3, 1),
-                "unnoted_launches": self.unnoted_launches}
+                "unnoted_launches": self.unnoted_launches,
+                "copy_replays": self.copy_replays,
+                "idle_nodes_replayed": self.idle_nodes_replayed}
 
 
 def _current_stream() -> int:
@@ -367,7 +385,13 @@ class _KeptGraphMixin:
         graph_exec = None if registry is None else registry.launch_for(self)
         if graph_exec is not None:
             registry.driver.launch(graph_exec, _current_stream())
-        elif registry is not None and registry.unchecked(self):
+            registry.copy_replays += 1
+            return
+        if registry is None:
+            super().replay()
+            return
+        registry.count_torch_replay(self)
+        if registry.unchecked(self):
             offset = _generator_offset()
             super().replay()
             registry.replayed_by_torch(self, _generator_offset() != offset)
