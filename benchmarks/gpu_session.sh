@@ -166,7 +166,8 @@ PY
     # 2): a generate right after a capture's fetch ran up to 11% slower, whichever engine it was
     # on (session 17), and a block puts most of that on the capture's own generates. (REPS, the
     # second argument: 25 by default, 50 generates a scenario; about 5.5 minutes. BENCH_ARGS=--settle
-    # waits after each fetch until the client has let go of its memory.)
+    # waits after each fetch until the client has let go of its memory; BENCH_ARGS=--baseline-first
+    # starts vanilla first and the control last, the reverse of the default order.)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
       --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 15
     ;;

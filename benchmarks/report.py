@@ -424,6 +424,10 @@ def markdown(report: dict) -> str:
                  "generate of the same rep, with its 95% confidence interval")
     if report.get("dry_run"):
         lines.append("- **dry run on CPU: every engine runs eagerly; thresholds are not meaningful**")
+    if report.get("baseline_first"):
+        lines.append("- **started with the baseline first** (`--baseline-first`): side by side, "
+                     "vanilla started before the capture engine, the control (if any) last; the "
+                     "engine table lists the engines in start order")
     for workload, rows in report["table"].items():
         lines.append("")
         lines.append(f"## {workload}")

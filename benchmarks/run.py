@@ -653,6 +653,8 @@ class Suite:
             self.suite = replace(self.suite, max_capture_gb=args.max_capture_gb)
         if args.tp:
             self.suite = replace(self.suite, tensor_parallel_size=args.tp)
+        if args.baseline_first:
+            self.suite = replace(self.suite, baseline_first=True)
         self.suite = S.select(self.suite, engines=args.engines, workloads=args.workloads,
                               scenarios=args.scenarios)
         self.shape = S.MODELS[self.suite.model]
@@ -798,6 +800,7 @@ class Suite:
             "suite": self.suite.name, "model": self.shape.key, "model_label": self.shape.label,
             "date": self.stamp, "dry_run": self.suite.force_eager, "reps": self.suite.reps,
             "block": self.args.block, "settle": self.args.settle,
+            "baseline_first": self.suite.baseline_first,
             "budget_s": self.suite.budget_s, "elapsed_s": round(time.time() - self.t0, 1),
             "env": environment(self.args.argv, self.probe, self.nvml),
             "shape": asdict(self.shape),
@@ -873,6 +876,10 @@ def parse_args(argv: list[str]):
     p.add_argument("--workloads", help="comma list of workload names, e.g. decode-c64,prefill-c64")
     p.add_argument("--scenarios", help="comma list of scenario names, e.g. vanilla,hidden-last "
                    "(default: all the suite has; ratios need vanilla)")
+    p.add_argument("--baseline-first", action="store_true",
+                   help="side by side, start the baseline first and capture after it (default: "
+                   "capture first, the baseline last, so that an edge of a later start goes to "
+                   "the baseline); with the control, it starts last")
     p.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
                    help="leave engines side by side where the OS puts them (default: the client "
                    "and each engine on their own physical cores)")

@@ -259,6 +259,9 @@ class Suite:
     # The graph engines (vanilla and capture) share the GPU in one worker and take turns, rep by
     # rep, so every ratio compares generates of the same minutes (see engine_groups).
     side_by_side: bool = True
+    # Side by side, the baseline starts last (an edge of a later start goes to it); True
+    # reverses the start order, the baseline first, to measure what start order alone is worth.
+    baseline_first: bool = False
     gpu_memory_utilization: float = 0.85  # of all engines of a group together
 
     def scenarios_for(self, shape: ModelShape) -> list[Scenario]:
@@ -393,6 +396,10 @@ def engine_groups(suite: Suite, shape: ModelShape) -> list[list[str]]:
     # 0.996 and 1.023).
     graph = sorted((e for e in engines if not ENGINES[e].eager),
                    key=lambda e: (e != SCENARIOS[CONTROL].engine, not ENGINES[e].capture))
+    if suite.baseline_first:
+        # Sessions 17-20: the control, started first, read 0.981 of the baseline over eight
+        # runs; reversed, an edge of the later start shows with the opposite sign.
+        graph.reverse()
     if (suite.side_by_side and len(graph) > 1
             and shape.weight_bytes <= SIDE_BY_SIDE_MAX_WEIGHT_BYTES):
         return [graph] + [[e] for e in engines if e not in graph]

@@ -464,6 +464,13 @@ def test_report_gives_each_capture_scenarios_replays_from_copies_and_idle_nodes_
     assert "from a copy" not in R.markdown(_report(_m("vanilla", 1000.0)))
 
 
+def test_report_says_when_the_baseline_started_first():
+    rep = _report(_m("vanilla", 1000.0))
+    assert "--baseline-first" not in R.markdown(rep)
+    assert "started with the baseline first** (`--baseline-first`)" in R.markdown(
+        {**rep, "baseline_first": True})
+
+
 def test_report_gives_cpu_time_per_step_by_thread():
     def m(scenario, rep, main, harvest=None):
         engine = {"VLLM::EngineCor (main)": [main * 100, 0.5 * 100]}
@@ -641,6 +648,11 @@ def test_the_control_engine_runs_when_named():
     shape = S.MODELS["1b"]
     # Started first, before capture: an edge of the first start would show in the control's ratio.
     assert S.engine_groups(named, shape) == [["vanilla-graph-b", "capture-graph", "vanilla-graph"]]
+    # Reversed (--baseline-first): an edge of the later start would favour capture and the control.
+    assert S.engine_groups(replace(named, baseline_first=True), shape) == [
+        ["vanilla-graph", "capture-graph", "vanilla-graph-b"]]
+    assert S.engine_groups(replace(S.make_suite("full"), baseline_first=True), S.MODELS["8b"])[0] == [
+        "vanilla-graph", "capture-graph"]
     kw = S.engine_kwargs(named, shape, "vanilla-graph-b")
     assert kw == S.engine_kwargs(named, shape, "vanilla-graph")  # the same engine, twice
     assert kw["gpu_memory_utilization"] == round(named.gpu_memory_utilization / 3, 3)
