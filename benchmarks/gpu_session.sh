@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | ablation | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | ablation | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -167,7 +167,10 @@ PY
     # on (session 17), and a block puts most of that on the capture's own generates. (REPS, the
     # second argument: 25 by default, 50 generates a scenario; about 5.5 minutes. BENCH_ARGS=--settle
     # waits after each fetch until the client has let go of its memory; BENCH_ARGS=--baseline-first
-    # starts vanilla first and the control last, the reverse of the default order.)
+    # starts vanilla first and the control last, the reverse of the default order;
+    # BENCH_ARGS=--warm-cache starts and stops a vanilla and a capture engine first, so that every
+    # timed engine loads its compiled model from the cache: by default the capture engine and the
+    # control compile in their own processes and vanilla loads, about 15 s more in all.)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
       --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 15
     ;;
@@ -189,10 +192,29 @@ PY
     # store's ADOPT_BYTES, so copied as before 58a15b9 from there), with the control (a second
     # vanilla engine, started first): session 20 read idle 0.980 and 0.973 where session 15 read
     # 1.001, vanilla unchanged, and the 8B's step waits on the GPU, not the host, so whether
-    # two engines of one kind sit 2% apart here too is the first question. 6 reps; about 7 minutes.
+    # two engines of one kind sit 2% apart here too is the first question. 6 reps; about 4.5 minutes
+    # (session 21: 260 s; the control read 0.998, idle 0.990 paired, 0 idle nodes run).
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
       --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l,heads-4l,heavy --reps 6 --budget-s 420 \
       --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 20
+    ;;
+  bench-8b-idle)
+    # The 8B's idle engine against vanilla and the control, with the package as of COMMIT (the
+    # second argument; default: the working tree): idle read 0.990-1.014 (session 10) and 1.001
+    # (session 15, e7f71b2), then 0.973-0.990 in sessions 20-21 (the control 0.998), so a point of
+    # a bisection over the package's history. The harness stays this tree's: a copy of the tree
+    # in /tmp with its vllm_capture/ taken from COMMIT (this tree's git objects) runs it.
+    # (REPS, the third argument: 8; about 3 minutes.)
+    if [ -n "${2:-}" ]; then
+      git cat-file -e "$2^{commit}" 2>/dev/null || { echo "commit $2 is not in this tree's git objects"; exit 1; }
+      T=/tmp/tree-$2; rm -rf "$T" && mkdir -p "$T" && tar --exclude=./.git --exclude=./.bundle -cf - . | tar -xf - -C "$T"
+      rm -rf "$T/vllm_capture" && git archive "$2" vllm_capture | tar -x -C "$T" || exit 1
+      echo "vllm_capture/ as of $(git log -1 --format='%h %s' "$2" | cut -c1-100)"
+      cd "$T"
+    fi
+    python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
+      --scenarios vanilla,vanilla-b,idle --reps ${3:-8} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
+      --out "$OUT" 2>&1 | tail -n 8
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi

@@ -156,8 +156,8 @@ def aggregate(reps: list[dict]) -> dict:
         "nvml_used": _max(per_rep(lambda r: r.get("nvml_used"))),
         "graph_replays": _median(per_rep(lambda r: r.get("graph_replays"))),
         "eager_forwards": _median(per_rep(lambda r: r.get("eager_forwards"))),
-        # Of the replays, those from a copy without idle sites' capture nodes; and the idle sites'
-        # nodes that replays by torch ran (GPU work for nothing).
+        # Graph launches from a copy without idle sites' capture nodes (one per piece of a
+        # piecewise forward); and the idle sites' nodes that launches by torch ran.
         "copy_replays": _median(per_rep(lambda r: r.get("copy_replays"))),
         "idle_nodes_replayed": _median(per_rep(lambda r: r.get("idle_nodes_replayed"))),
         # Capture's host time per step on the step path, and on the harvest thread (rank 0).
@@ -328,6 +328,10 @@ def _cpus(cpus: list[int] | None) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
+# How an engine got its compiled model (run.compiled_models), in the engine table's words.
+COMPILED_MODEL = {"compiled": "compiled in its process", "loaded": "loaded from the cache"}
+
+
 def engine_rows(engines: dict[str, dict]) -> list[dict]:
     """Per engine: start-up, KV cache, capture buffers, GPU memory, and deltas to the baseline."""
     base = engines.get("vanilla-graph", {})
@@ -386,15 +390,17 @@ def _threads_table(rows: dict[str, dict]) -> list[str]:
 
 def _replays_table(rows: dict[str, dict]) -> list[str]:
     """Markdown lines: each capture scenario's graph replays and eager capture forwards a
-    generate, the replays from a copy without idle sites' capture nodes, and the idle sites'
-    nodes that replays by torch ran."""
+    generate, the graph launches from a copy without idle sites' capture nodes, and the idle
+    sites' nodes that launches by torch ran."""
     shown = {name: a for name, a in rows.items() if a.get("graph_replays") is not None}
     if not shown:
         return []
-    lines = ["", "Forwards a generate on the capture engine (rank 0): graph replays, those from a "
-             "copy without idle sites' capture nodes, the idle sites' nodes that replays by "
-             "torch ran (GPU work for nothing), and eager capture forwards:", "",
-             "| scenario | graph replays | from a copy | idle nodes run | eager forwards |",
+    lines = ["", "A generate on the capture engine (rank 0): graph replays (forwards under a "
+             "graph), graph launches from a copy without idle sites' capture nodes (a piecewise "
+             "forward launches one graph per piece, so these can outnumber the forwards), the "
+             "idle sites' nodes that launches by torch ran (GPU work for nothing), and eager "
+             "capture forwards:", "",
+             "| scenario | graph replays | launches from a copy | idle nodes run | eager forwards |",
              "|---|---|---|---|---|"]
     for name, a in shown.items():
         cells = [_f(a.get(k), "{:.0f}") for k in
@@ -428,6 +434,13 @@ def markdown(report: dict) -> str:
         lines.append("- **started with the baseline first** (`--baseline-first`): side by side, "
                      "vanilla started before the capture engine, the control (if any) last; the "
                      "engine table lists the engines in start order")
+    if report.get("warm_cache"):
+        warmed = "; ".join(f"{e} (init {_f(w.get('init_s'), '{:.0f}')} s, {w.get('compiled_model') or '-'}"
+                           f"{', ' + w['error'][:80] if w.get('error') else ''})"
+                           for e, w in report["warm_cache"].items())
+        lines.append(f"- **compile cache warmed first** (`--warm-cache`): {warmed} started and "
+                     "stopped before the engines below, so that each of them could load its "
+                     "compiled model (the engine table says whether it did)")
     for workload, rows in report["table"].items():
         lines.append("")
         lines.append(f"## {workload}")
@@ -471,9 +484,9 @@ def markdown(report: dict) -> str:
     lines.append("")
     lines.append("| engine | init s | KV cache tokens (vs vanilla) | capture buffers GiB (status) "
                  "| GPU GiB the engine took (NVML, vs vanilla) | side by side with "
-                 "| CPUs, rotating among engines (client's) "
+                 "| CPUs, rotating among engines (client's) | compiled model "
                  "| error |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for e in engine_rows(report.get("engines", {})):
         def delta(key, scale=1.0, fmt="{:+.2f}"):
             d = e.get(f"{key}_vs_vanilla")
@@ -485,6 +498,7 @@ def markdown(report: dict) -> str:
             f"| {_f(e.get('nvml_engine'), '{:.2f}', GIB)}{delta('nvml_engine', GIB)} "
             f"| {', '.join(e.get('side_by_side_with') or []) or '-'} "
             f"| {_cpus(e.get('cpus'))} ({_cpus(e.get('client_cpus'))}) "
+            f"| {COMPILED_MODEL.get(e.get('compiled_model'), '-')} "
             f"| {(e.get('error') or '')[:120]} |")
     lines.append("")
     lines.append("## Checks")

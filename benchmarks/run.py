@@ -288,6 +288,7 @@ class EngineRun:
             before = set(descendants(os.getpid()))
             self.start_engine(name)
             engine_pids[name] = [p for p in descendants(os.getpid()) if p not in before]
+            self.emit(name, type="pids", pids=engine_pids[name])
         self.engine_pids = engine_pids
         if self.job.get("pin_cpus") and len(self.engine_names) > 1:
             # This process (the engines' clients) and each engine's processes on their own cores.
@@ -531,6 +532,31 @@ def parse_kv_cache_tokens(log_text: str, engines: int = 1) -> list[int | None]:
     return hits[-engines:] if len(hits) >= engines else [None] * engines
 
 
+LOG_PID = re.compile(r"^\([^()\s]+ pid=(\d+)\)", re.MULTILINE)
+COMPILED_HERE = "Compiling a graph for compile range"
+LOADED_FROM_CACHE = ("Directly load AOT compilation", "Directly load the compiled graph")
+
+
+def compiled_models(log_text: str, pids: dict[str, list[int]]) -> dict[str, str | None]:
+    """Per engine, how its processes (``pids``) got the compiled model, from vLLM's log lines:
+    "compiled" (in its own process, whatever else it loaded), "loaded" (from the compile cache),
+    or None (neither logged: an eager engine, or no log)."""
+    said: dict[int, set[str]] = {}
+    for line in log_text.splitlines():
+        m = LOG_PID.match(line)
+        if m is None:
+            continue
+        if COMPILED_HERE in line:
+            said.setdefault(int(m.group(1)), set()).add("compiled")
+        elif any(s in line for s in LOADED_FROM_CACHE):
+            said.setdefault(int(m.group(1)), set()).add("loaded")
+    out = {}
+    for engine, ps in pids.items():
+        kinds = set().union(*(said.get(p, set()) for p in ps))
+        out[engine] = "compiled" if "compiled" in kinds else "loaded" if kinds else None
+    return out
+
+
 def results_dir(out: str | Path, suite: S.Suite, stamp: str) -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]", "-", f"{stamp}-{suite.name}-{suite.model}")
     return Path(out) / "results" / name
@@ -675,6 +701,7 @@ class Suite:
         self.measurements: list[dict] = []
         self.skipped: list[dict] = []
         self.engines: dict[str, dict] = {}
+        self.warmers: dict[str, dict] = {}  # --warm-cache: the engines started to fill the cache
         self.probe: dict = {}
         self.log_tails: list[str] = []
 
@@ -707,6 +734,8 @@ class Suite:
                    mininterval=2.0 if sys.stderr.isatty() else 30.0)
         for i, group in enumerate(groups):
             rest, plan, label = groups[i:], plans[tuple(group)], "+".join(group)
+            if self.args.warm_cache:
+                self.warm_cache(group, model_dir, bar)
             now = time.time()
             # Engines that cannot even finish starting before the workers are stopped are not started.
             if self.hard_end - now < 0.8 * startup(group) + 20:
@@ -731,9 +760,26 @@ class Suite:
             self.write()
         bar.close()
 
-    def run_group(self, group: list[str], model_dir: Path, plan, deadline: float, bar) -> dict:
-        """One worker process running ``group``'s engines; their info, by engine name."""
-        label = "+".join(group)
+    def warm_cache(self, group: list[str], model_dir: Path, bar) -> None:
+        """Start and stop one engine per distinct set of ``group``'s engine arguments
+        (``S.compile_warmers``), so that each of the group's engines loads its compiled model
+        from the cache the warmers filled."""
+        from tqdm import tqdm
+
+        warmers = S.compile_warmers(self.suite, self.shape, group)
+        if not warmers:
+            return
+        tqdm.write(f"[{time.time() - self.t0:5.0f} s] warming the compile cache: "
+                   f"{', '.join(warmers)}", file=sys.stderr)
+        infos = self.run_group(warmers, model_dir, [], self.end, bar, warm_cache=True)
+        for e, info in infos.items():
+            self.warmers[e] = {k: info.get(k) for k in ("init_s", "compiled_model", "error")}
+
+    def run_group(self, group: list[str], model_dir: Path, plan, deadline: float, bar,
+                  warm_cache: bool = False) -> dict:
+        """One worker process running ``group``'s engines; their info, by engine name. With
+        ``warm_cache`` (an empty plan), the engines only start, unpinned, and are not the run's."""
+        label = ("warm-cache-" if warm_cache else "") + "+".join(group)
         events = self.work / f"{label}.events.jsonl"
         job = {"engines": group, "model": self.shape.key, "model_dir": str(model_dir),
                "engine_kwargs": {e: S.engine_kwargs(self.suite, self.shape, e) for e in group},
@@ -741,7 +787,7 @@ class Suite:
                "reps": self.suite.reps, "block": self.args.block, "settle": self.args.settle,
                "deadline": deadline, "hard_deadline": self.hard_end - 20,
                "dtype_bytes": S.dtype_bytes(self.suite, self.shape), "events": str(events),
-               "pin_cpus": self.args.pin_cpus and not self.suite.force_eager}
+               "pin_cpus": self.args.pin_cpus and not self.suite.force_eager and not warm_cache}
         job_path = self.work / f"{label}.job.json"
         job_path.write_text(json.dumps(job))
         infos: dict[str, dict] = {e: {} for e in group}
@@ -760,6 +806,8 @@ class Suite:
                 bar.update(self.suite.reps)
             elif kind == "pinned":
                 infos[name]["cpus"], infos[name]["client_cpus"] = ev["cpus"], ev["client_cpus"]
+            elif kind == "pids":
+                infos[name]["pids"] = ev["pids"]
             elif kind == "error":
                 infos[name]["error"] = ev["error"]
         log = self.work / f"{label}.log"
@@ -769,6 +817,8 @@ class Suite:
         started = [e for e in group if infos[e].get("init_s") is not None]
         for e, tokens in zip(started, parse_kv_cache_tokens(text, len(started))):
             infos[e]["kv_cache_tokens"] = tokens
+        for e, how in compiled_models(text, {e: infos[e].pop("pids", []) for e in group}).items():
+            infos[e]["compiled_model"] = how
         failure = next((i["error"] for i in infos.values() if i.get("error")), None)
         for e in group:
             infos[e]["returncode"] = rc
@@ -783,12 +833,14 @@ class Suite:
         self.skipped += [{"engine": s.engine, "workload": w.name, "scenario": s.name,
                           "reason": f"not measured: {infos[s.engine].get('error') or 'worker ended early'}"}
                          for w, scens in plan for s in scens if (w.name, s.name) not in seen]
+        tail = text.splitlines()[-LOG_TAIL_LINES:]
+        self.log_tails.append(f"===== {label} (rc={rc}, last {len(tail)} lines) =====\n" + "\n".join(tail))
+        if warm_cache:
+            return infos
         for e in group:
             self.engines[e] = {k: v for k, v in infos[e].items() if k != "engine"}
             if len(group) > 1:
                 self.engines[e]["side_by_side_with"] = [x for x in group if x != e]
-        tail = text.splitlines()[-LOG_TAIL_LINES:]
-        self.log_tails.append(f"===== {label} (rc={rc}, last {len(tail)} lines) =====\n" + "\n".join(tail))
         return infos
 
     # -- report --
@@ -800,7 +852,7 @@ class Suite:
             "suite": self.suite.name, "model": self.shape.key, "model_label": self.shape.label,
             "date": self.stamp, "dry_run": self.suite.force_eager, "reps": self.suite.reps,
             "block": self.args.block, "settle": self.args.settle,
-            "baseline_first": self.suite.baseline_first,
+            "baseline_first": self.suite.baseline_first, "warm_cache": self.warmers,
             "budget_s": self.suite.budget_s, "elapsed_s": round(time.time() - self.t0, 1),
             "env": environment(self.args.argv, self.probe, self.nvml),
             "shape": asdict(self.shape),
@@ -880,6 +932,11 @@ def parse_args(argv: list[str]):
                    help="side by side, start the baseline first and capture after it (default: "
                    "capture first, the baseline last, so that an edge of a later start goes to "
                    "the baseline); with the control, it starts last")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="before the engines start, start and stop one engine of each kind, so "
+                   "that every timed engine loads its compiled model from vLLM's compile cache "
+                   "(default: in the run's fresh model folder, the capture engine and the first "
+                   "vanilla compile in their own processes and the second vanilla loads)")
     p.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
                    help="leave engines side by side where the OS puts them (default: the client "
                    "and each engine on their own physical cores)")

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import report as R
 from benchmarks import scenarios as S
-from benchmarks.run import parse_kv_cache_tokens, results_dir
+from benchmarks.run import compiled_models, parse_kv_cache_tokens, results_dir
 
 
 # ---- scenario data ---------------------------------------------------------------------------
@@ -208,6 +208,94 @@ def test_kv_cache_tokens_of_engines_side_by_side():
     assert parse_kv_cache_tokens(log, 2) == [1000, 900]
     assert parse_kv_cache_tokens(log, 1) == [900]
     assert parse_kv_cache_tokens("", 2) == [None, None]
+
+
+def test_compiled_models_from_the_log_lines_vllm_writes():
+    """Which engine compiled and which loaded, read from vLLM 0.26's own messages, each written
+    through vLLM's per-process prefix as an engine core's stdout is."""
+    import importlib.util
+    import io
+
+    from vllm.utils.system_utils import _add_prefix
+
+    def message(module: str, pattern: str) -> str:
+        return re.search(pattern, Path(importlib.util.find_spec(module).origin).read_text()).group(1)
+
+    compiled = message("vllm.compilation.backends", r'"(Compiling a graph for compile range %s takes %\.2f s)"')
+    loaded_graph = message("vllm.compilation.backends",
+                           r'"(Directly load the compiled graph\(s\) for compile range %s )"')
+    loaded_aot = message("vllm.compilation.decorators", r'"(Directly load AOT compilation from path %s)"')
+    out = io.StringIO()
+    for pid, line in [(11, compiled % ("(1, 8192)", 10.9)),
+                      (22, loaded_aot % "/cache/model"), (55, loaded_graph % "(1, 8192)"),
+                      (33, loaded_aot % "/cache/model"), (34, compiled % ("(1, 8192)", 3.0)),
+                      (44, "Dynamo bytecode transform time: 1.67 s")]:
+        f = io.StringIO()
+        _add_prefix(f, "EngineCore", pid)
+        f.write(f"INFO 12-02 00:26:24 [x.py:1] {line}\n")
+        out.write(f.getvalue())
+    out.write(compiled % ("(1, 8192)", 1.0) + "\n")  # no process prefix: nobody's
+    got = compiled_models(out.getvalue(), {"a": [11], "b": [22], "c": [33, 34], "d": [44], "e": [],
+                                           "f": [55]})
+    # c: one process loaded and another compiled (TP workers): it compiled.
+    assert got == {"a": "compiled", "b": "loaded", "c": "compiled", "d": None, "e": None,
+                   "f": "loaded"}
+
+
+def test_warm_cache_runs_the_warmers_apart_and_reads_how_each_engine_got_its_model(tmp_path, monkeypatch):
+    """The parent's side of --warm-cache, its worker faked: the warmers start in a worker of
+    their own, unpinned and with nothing to run, and are kept out of the run's engines; every
+    engine's processes' log lines say how it got its compiled model."""
+    from benchmarks import run
+
+    jobs = []
+
+    def worker(args, log, env, kill_at, on_line=None, events=None):
+        job = json.loads(Path(args[1]).read_text())
+        jobs.append(job)
+        said = "Compiling a graph for compile range (1, 8192) takes 9.00 s" if job["plan"] == [] \
+            else "Directly load AOT compilation from path /cache/model"
+        pids = {e: 100 * len(jobs) + i for i, e in enumerate(job["engines"])}
+        log.write_text("".join(f"(EngineCore pid={pid}) INFO {said}\n" for pid in pids.values()))
+        for e, pid in pids.items():
+            on_line({"engine": e, "type": "engine", "init_s": 12.0})
+            on_line({"engine": e, "type": "pids", "pids": [pid, pid + 50]})
+        return 0
+
+    monkeypatch.setattr(run, "run_subprocess", worker)
+    (tmp_path / "work").mkdir()
+    monkeypatch.setattr(run.tempfile, "mkdtemp", lambda prefix=None: str(tmp_path / "work"))
+    suite = run.Suite(run.parse_args(["--suite", "quick", "--warm-cache", "--scenarios",
+                                      "vanilla,idle", "--out", str(tmp_path)]))
+    bar = type("Bar", (), {"set_postfix_str": lambda *a: None, "update": lambda *a: None})()
+    group = ["capture-graph", "vanilla-graph"]
+    suite.warm_cache(group, tmp_path, bar)
+    assert (jobs[0]["engines"], jobs[0]["plan"], jobs[0]["pin_cpus"]) == (group, [], False)
+    assert suite.warmers == {e: {"init_s": 12.0, "compiled_model": "compiled", "error": None}
+                             for e in group}
+    assert suite.engines == {}
+    suite.run_group(group, tmp_path, [(S.decode(8), [])], suite.end, bar)
+    assert jobs[1]["pin_cpus"]
+    assert {e: i["compiled_model"] for e, i in suite.engines.items()} == dict.fromkeys(group, "loaded")
+    assert "pids" not in suite.engines["vanilla-graph"]
+    assert suite.report()["warm_cache"] == suite.warmers
+
+
+def test_compile_warmers_one_engine_per_set_of_engine_arguments():
+    named = S.select(S.make_suite("quick"), scenarios="vanilla,vanilla-b,idle,hidden-last")
+    shape = S.MODELS["1b"]
+    [group] = S.engine_groups(named, shape)
+    # The control's arguments equal the baseline's: the first of the two fills the cache for both.
+    assert S.compile_warmers(named, shape, group) == ["vanilla-graph-b", "capture-graph"]
+    reversed_ = replace(named, baseline_first=True)
+    assert S.compile_warmers(reversed_, shape, S.engine_groups(reversed_, shape)[0]) == [
+        "vanilla-graph", "capture-graph"]
+    full = S.make_suite("full", "1b")
+    groups = S.engine_groups(full, shape)
+    assert ["capture-eager"] in groups
+    assert S.compile_warmers(full, shape, ["capture-eager"]) == []  # eager: nothing to compile
+    assert S.compile_warmers(full, shape, ["vanilla-graph", "capture-graph"]) == [
+        "vanilla-graph", "capture-graph"]
 
 
 def test_select_engines_and_workloads():
@@ -456,10 +544,10 @@ def test_report_gives_each_capture_scenarios_replays_from_copies_and_idle_nodes_
     assert (t["idle"]["copy_replays"], t["idle"]["idle_nodes_replayed"]) == (252, 128)
     assert t["vanilla"]["copy_replays"] is None
     md = R.markdown(_report(ms))
-    assert "| scenario | graph replays | from a copy | idle nodes run | eager forwards |" in md
+    assert "| scenario | graph replays | launches from a copy | idle nodes run | eager forwards |" in md
     assert "| idle | 256 | 252 | 128 | 1 |" in md
     assert "| hidden-last | 256 | - | - | 1 |" in md
-    assert "| vanilla | " not in md.split("graph replays | from a copy")[1]
+    assert "| vanilla | " not in md.split("graph replays | launches from a copy")[1]
     # Without replay counts (vanilla only), no table.
     assert "from a copy" not in R.markdown(_report(_m("vanilla", 1000.0)))
 
@@ -469,6 +557,22 @@ def test_report_says_when_the_baseline_started_first():
     assert "--baseline-first" not in R.markdown(rep)
     assert "started with the baseline first** (`--baseline-first`)" in R.markdown(
         {**rep, "baseline_first": True})
+
+
+def test_report_says_how_each_engine_got_its_compiled_model():
+    rep = _report(_m("vanilla", 1000.0))
+    rep["engines"]["vanilla-graph"]["compiled_model"] = "loaded"
+    rep["engines"]["capture-graph"]["compiled_model"] = "compiled"
+    md = R.markdown(rep)
+    assert "| compiled model | error |" in md
+    assert "| loaded from the cache |" in md.split("| vanilla-graph | 80 |")[1].splitlines()[0]
+    assert "| compiled in its process |" in md.split("| capture-graph | 82 |")[1].splitlines()[0]
+    assert "compile cache warmed first" not in md
+    md = R.markdown({**rep, "warm_cache": {
+        "vanilla-graph": {"init_s": 55.2, "compiled_model": "compiled", "error": None},
+        "capture-graph": {"init_s": 44.0, "compiled_model": None, "error": "RuntimeError: x"}}})
+    assert ("compile cache warmed first** (`--warm-cache`): vanilla-graph (init 55 s, compiled); "
+            "capture-graph (init 44 s, -, RuntimeError: x) started and stopped") in md
 
 
 def test_report_gives_cpu_time_per_step_by_thread():
