@@ -204,7 +204,8 @@ PY
     # (session 15, e7f71b2), then 0.973-0.990 in sessions 20-21 (the control 0.998), so a point of
     # a bisection over the package's history. The harness stays this tree's: a copy of the tree
     # in /tmp with its vllm_capture/ taken from COMMIT (this tree's git objects) runs it.
-    # (REPS, the third argument: 8; about 3 minutes.)
+    # (REPS, the third argument: 12, for an interval of about +-1.5% on idle; about 4 minutes, so
+    # two points fit one 10-minute call: `bench-8b-idle e7f71b2; bench-8b-idle`.)
     if [ -n "${2:-}" ]; then
       git cat-file -e "$2^{commit}" 2>/dev/null || { echo "commit $2 is not in this tree's git objects"; exit 1; }
       T=/tmp/tree-$2; rm -rf "$T" && mkdir -p "$T" && tar --exclude=./.git --exclude=./.bundle -cf - . | tar -xf - -C "$T"
@@ -213,7 +214,7 @@ PY
       cd "$T"
     fi
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
-      --scenarios vanilla,vanilla-b,idle --reps ${3:-8} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
+      --scenarios vanilla,vanilla-b,idle --reps ${3:-12} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
       --out "$OUT" 2>&1 | tail -n 8
     ;;
   bench-quick|bench-full)
