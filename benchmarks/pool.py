@@ -15,6 +15,11 @@ on the same engine. The last two columns pool the reps that ran the scenarios in
 (even reps) and reversed (odd reps) apart: a generate can run faster or slower for what ran just
 before it, which the alternation evens out in the pooled figure but these columns show (the 1B's
 idle against vanilla, over nine runs: 1.006 forward, 0.948 reversed).
+
+Where the runs were started in both engine orders (``run.py --baseline-first`` for some), three
+more columns pool each order's reps apart and weigh the two orders equally: the engine started
+later read faster in either order (session 21: idle 0.983 of vanilla started last, 1.028 of
+vanilla started first), so a figure over runs mostly of one order carries that order's edge.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def pool(reports: list[dict], workload: str, scenario: str, against: str) -> dic
     """``{"runs": [paired ratio of each run, or None], "over_reps": ..., "over_runs": ...}``
     (``report.geometric_mean_interval`` dicts for the last two); None when no run has both."""
     per_run, base_all, own_all = [], [], []
+    by_order: dict[bool, tuple[list[dict], list[dict]]] = {}
     for i, rep in enumerate(reports):
         ms = [m for m in rep["measurements"] if m.get("workload") == workload]
         # Reps pair within their run only: the rep key names the run too.
@@ -47,6 +53,9 @@ def pool(reports: list[dict], workload: str, scenario: str, against: str) -> dic
         if paired:
             base_all += base
             own_all += own
+            order = by_order.setdefault(bool(rep.get("baseline_first")), ([], []))
+            order[0].extend(base)
+            order[1].extend(own)
     values = [v for v in per_run if v is not None]
     if not values:
         return None
@@ -54,11 +63,26 @@ def pool(reports: list[dict], workload: str, scenario: str, against: str) -> dic
     def in_order(ms: list[dict], parity: int) -> list[dict]:
         return [m for m in ms if m["rep"][1] % 2 == parity]
 
+    orders = {first: R.paired_ratio(*pair) for first, pair in by_order.items()}
     return {"runs": per_run, "over_reps": R.paired_ratio(base_all, own_all),
             "over_runs": R.geometric_mean_interval([math.log(v) for v in values]),
+            # Over reps, each start order apart, and the two weighed equally (None unless both).
+            "default_order": orders.get(False), "baseline_first": orders.get(True),
+            "both_orders": equal_weight(orders[False], orders[True]) if len(orders) == 2 else None,
             # run.py lists a rep's scenarios as given in even reps and reversed in odd ones.
             "forward": R.paired_ratio(in_order(base_all, 0), in_order(own_all, 0)),
             "reversed": R.paired_ratio(in_order(base_all, 1), in_order(own_all, 1))}
+
+
+def equal_weight(a: dict, b: dict) -> dict:
+    """The geometric mean of two independent estimates (``report.paired_ratio`` dicts), with a
+    95% interval whose half-width on the log scale is half the root sum of squares of theirs."""
+    value = math.sqrt(a["value"] * b["value"])
+    if not (a["ci95"] and b["ci95"]):
+        return {"value": value, "ci95": None, "pairs": a["pairs"] + b["pairs"]}
+    half = math.hypot(*(math.log(x["ci95"][1] / x["ci95"][0]) / 2 for x in (a, b))) / 2
+    return {"value": value, "ci95": [value * math.exp(-half), value * math.exp(half)],
+            "pairs": a["pairs"] + b["pairs"]}
 
 
 def _interval_text(x: dict | None) -> str:
@@ -68,10 +92,17 @@ def _interval_text(x: dict | None) -> str:
     return f"{x['value']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "") + f", {x['pairs']}"
 
 
+ORDER_COLUMNS = ("default_order", "baseline_first", "both_orders")
+
+
 def markdown(reports: list[dict], names: list[str]) -> str:
+    both = len({bool(r.get("baseline_first")) for r in reports}) == 2
+    extra = (" | capture started first (over reps) | baseline started first (over reps) "
+             "| both orders, equal weight" if both else "")
     lines = ["| workload | scenario | against | " + " | ".join(names)
-             + " | over reps (95% CI), reps | over runs (95% CI), runs | forward reps | reversed reps |",
-             "|---|---|---|" + "---|" * len(names) + "---|---|---|---|"]
+             + " | over reps (95% CI), reps | over runs (95% CI), runs | forward reps | reversed reps"
+             + extra + " |",
+             "|---|---|---|" + "---|" * len(names) + "---|---|---|---|" + "---|" * (3 * both)]
     for workload in dict.fromkeys(m["workload"] for r in reports for m in r["measurements"]):
         scenarios = dict.fromkeys(m["scenario"] for r in reports for m in r["measurements"]
                                   if m["workload"] == workload)
@@ -87,9 +118,11 @@ def markdown(reports: list[dict], names: list[str]) -> str:
                 if p is None:
                     continue
                 runs = " | ".join("-" if v is None else f"{v:.3f}" for v in p["runs"])
+                orders = "".join(f" | {_interval_text(p[k])}" for k in ORDER_COLUMNS) if both else ""
                 lines.append(f"| {workload} | {scenario} | {against} | {runs} "
                              f"| {_interval_text(p['over_reps'])} | {_interval_text(p['over_runs'])} "
-                             f"| {_interval_text(p['forward'])} | {_interval_text(p['reversed'])} |")
+                             f"| {_interval_text(p['forward'])} | {_interval_text(p['reversed'])}"
+                             f"{orders} |")
     return "\n".join(lines) + "\n"
 
 

@@ -687,6 +687,43 @@ def test_pool_splits_reps_run_forward_from_reps_run_reversed():
                                                                           ["a", "b"])
 
 
+def test_pool_weighs_the_two_start_orders_equally_where_runs_have_both():
+    """Runs started in the default order and with --baseline-first pool apart, and their
+    geometric mean weighs each order alike however many reps each has."""
+    import numpy as np
+
+    from benchmarks.pool import equal_weight, markdown, pool
+
+    def run(ratio, reps, baseline_first, jitter=(1.0, 1.02)):
+        ms = []
+        for r in range(reps):
+            j = jitter[r % 2]
+            ms += _m("vanilla", 1000.0, reps=(r,)) + _m("idle", 1000.0 * ratio * j, reps=(r,))
+        return {"measurements": ms, "baseline_first": baseline_first}
+
+    default = [run(0.98, 8, False), run(0.98, 8, False), run(0.98, 8, False)]
+    first = [run(1.02, 4, True)]
+    p = pool(default + first, "decode-c64", "idle", "vanilla")
+    assert p["default_order"]["pairs"] == 24 and p["baseline_first"]["pairs"] == 4
+    assert p["default_order"]["value"] == pytest.approx(0.98 * 1.02 ** 0.5)
+    assert p["baseline_first"]["value"] == pytest.approx(1.02 * 1.02 ** 0.5)
+    # Equal weight: not 24 to 4, as the pool over reps is.
+    assert p["both_orders"]["value"] == pytest.approx((0.98 * 1.02) ** 0.5 * 1.02 ** 0.5)
+    assert p["over_reps"]["value"] < p["both_orders"]["value"]
+    halves = [np.log(p[k]["ci95"][1] / p[k]["ci95"][0]) / 2 for k in ("default_order", "baseline_first")]
+    lo, hi = p["both_orders"]["ci95"]
+    assert np.log(hi / lo) / 2 == pytest.approx(np.hypot(*halves) / 2)
+    assert equal_weight({"value": 0.9, "ci95": None, "pairs": 1},
+                        {"value": 1.0, "ci95": [0.9, 1.1], "pairs": 3}) == {
+        "value": pytest.approx(0.9 ** 0.5), "ci95": None, "pairs": 4}
+    md = markdown(default + first, ["a", "b", "c", "d"])
+    assert "| both orders, equal weight |" in md
+    assert f"| {p['both_orders']['value']:.3f} (" in md.splitlines()[2]
+    # One order only: no such columns, and no figure.
+    assert pool(default, "decode-c64", "idle", "vanilla")["both_orders"] is None
+    assert "both orders" not in markdown(default, ["a", "b", "c"])
+
+
 def _engine_run(tmp_path, scenarios: list[str], reps: int):
     """An ``EngineRun`` of the capture and vanilla graph engines whose generates do nothing."""
     from benchmarks.run import EngineRun
