@@ -203,14 +203,22 @@ PY
     # second argument; default: the working tree): idle read 0.990-1.014 (session 10) and 1.001
     # (session 15, e7f71b2), then 0.973-0.990 in sessions 20-21 (the control 0.998), so a point of
     # a bisection over the package's history. The harness stays this tree's: a copy of the tree
-    # in /tmp with its vllm_capture/ taken from COMMIT (this tree's git objects) runs it.
+    # in /tmp with its vllm_capture/ taken from COMMIT runs it: from .bisect/COMMIT/ where the
+    # call carried it (made here with `mkdir -p .bisect/C && git archive C vllm_capture | tar -x
+    # -C .bisect/C`, then `carry: [".bisect"]`), else from this tree's git objects.
     # (REPS, the third argument: 12, for an interval of about +-1.5% on idle; about 4 minutes, so
     # two points fit one 10-minute call: `bench-8b-idle e7f71b2; bench-8b-idle`.)
     if [ -n "${2:-}" ]; then
-      git cat-file -e "$2^{commit}" 2>/dev/null || { echo "commit $2 is not in this tree's git objects"; exit 1; }
-      T=/tmp/tree-$2; rm -rf "$T" && mkdir -p "$T" && tar --exclude=./.git --exclude=./.bundle -cf - . | tar -xf - -C "$T"
-      rm -rf "$T/vllm_capture" && git archive "$2" vllm_capture | tar -x -C "$T" || exit 1
-      echo "vllm_capture/ as of $(git log -1 --format='%h %s' "$2" | cut -c1-100)"
+      T=/tmp/tree-$2; rm -rf "$T" && mkdir -p "$T"
+      tar --exclude=./.git --exclude=./.bundle --exclude=./.bisect --exclude=./.venv -cf - . | tar -xf - -C "$T"
+      rm -rf "$T/vllm_capture"
+      if [ -d ".bisect/$2/vllm_capture" ]; then
+        cp -r ".bisect/$2/vllm_capture" "$T/" && echo "vllm_capture/ as of $2 (carried)"
+      else
+        git cat-file -e "$2^{commit}" 2>/dev/null || { echo "commit $2: not carried in .bisect/ and not in this tree's git objects"; exit 1; }
+        git archive "$2" vllm_capture | tar -x -C "$T" || exit 1
+        echo "vllm_capture/ as of $(git log -1 --format='%h %s' "$2" | cut -c1-100)"
+      fi
       cd "$T"
     fi
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
