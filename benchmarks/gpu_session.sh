@@ -15,6 +15,25 @@ export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=
 export VLLM_CAPTURE_TINY_DIR=/tmp/tiny
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import vllm, torch, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" 2>/dev/null | tee -a "$OUT/gpu.txt"
+# PACKAGE_AT=COMMIT runs the set with vllm_capture/ as of COMMIT and everything else (harness,
+# checks) from this tree: a point of a bisection over the package's history. The set runs in a
+# copy of the tree in /tmp whose vllm_capture/ comes from .bisect/COMMIT/ where the call carried
+# it (made here: `mkdir -p .bisect/C && git archive C vllm_capture | tar -x -C .bisect/C`, then
+# `carry: [".bisect"]`; git-ignored), else from this tree's git objects, whose history the device
+# may not hold.
+if [ -n "${PACKAGE_AT:-}" ]; then
+  T=/tmp/tree-$PACKAGE_AT; rm -rf "$T" && mkdir -p "$T"
+  tar --exclude=./.git --exclude=./.bundle --exclude=./.bisect --exclude=./.venv -cf - . | tar -xf - -C "$T"
+  rm -rf "$T/vllm_capture"
+  if [ -d ".bisect/$PACKAGE_AT/vllm_capture" ]; then
+    cp -r ".bisect/$PACKAGE_AT/vllm_capture" "$T/" && echo "vllm_capture/ as of $PACKAGE_AT (carried)" | tee -a "$OUT/gpu.txt"
+  else
+    git cat-file -e "$PACKAGE_AT^{commit}" 2>/dev/null || { echo "PACKAGE_AT=$PACKAGE_AT: not carried in .bisect/ and not in this tree's git objects"; exit 1; }
+    git archive "$PACKAGE_AT" vllm_capture | tar -x -C "$T" || exit 1
+    echo "vllm_capture/ as of $(git log -1 --format='%h %s' "$PACKAGE_AT" | cut -c1-100)" | tee -a "$OUT/gpu.txt"
+  fi
+  cd "$T"; export PYTHONPATH=/tmp/site:$PWD
+fi
 G=tests/gpu/gpu_checks.py
 run() { local name=$1; shift; echo "== $name"; timeout ${RUN_TIMEOUT:-300} python3 $G run "$@" --out /tmp/$name.pt >"$OUT/$name.log" 2>&1; echo "rc=$? $(grep -E '^\{' "$OUT/$name.log" | tail -1 | cut -c1-300)"; }
 compare() { local name=$1 model=$2; shift 2; python3 $G compare --run /tmp/$name.pt --model-dir /tmp/tiny/$model --report "$OUT/${name}_report.json" "$@" >"$OUT/${name}_compare.log" 2>&1; echo "compare $name rc=$?"; }
@@ -199,30 +218,13 @@ PY
       --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 20
     ;;
   bench-8b-idle)
-    # The 8B's idle engine against vanilla and the control, with the package as of COMMIT (the
-    # second argument; default: the working tree): idle read 0.990-1.014 (session 10) and 1.001
-    # (session 15, e7f71b2), then 0.973-0.990 in sessions 20-21 (the control 0.998), so a point of
-    # a bisection over the package's history. The harness stays this tree's: a copy of the tree
-    # in /tmp with its vllm_capture/ taken from COMMIT runs it: from .bisect/COMMIT/ where the
-    # call carried it (made here with `mkdir -p .bisect/C && git archive C vllm_capture | tar -x
-    # -C .bisect/C`, then `carry: [".bisect"]`), else from this tree's git objects.
-    # (REPS, the third argument: 12, for an interval of about +-1.5% on idle; about 4 minutes, so
-    # two points fit one 10-minute call: `bench-8b-idle e7f71b2; bench-8b-idle`.)
-    if [ -n "${2:-}" ]; then
-      T=/tmp/tree-$2; rm -rf "$T" && mkdir -p "$T"
-      tar --exclude=./.git --exclude=./.bundle --exclude=./.bisect --exclude=./.venv -cf - . | tar -xf - -C "$T"
-      rm -rf "$T/vllm_capture"
-      if [ -d ".bisect/$2/vllm_capture" ]; then
-        cp -r ".bisect/$2/vllm_capture" "$T/" && echo "vllm_capture/ as of $2 (carried)"
-      else
-        git cat-file -e "$2^{commit}" 2>/dev/null || { echo "commit $2: not carried in .bisect/ and not in this tree's git objects"; exit 1; }
-        git archive "$2" vllm_capture | tar -x -C "$T" || exit 1
-        echo "vllm_capture/ as of $(git log -1 --format='%h %s' "$2" | cut -c1-100)"
-      fi
-      cd "$T"
-    fi
+    # The 8B's idle engine against vanilla and the control: idle read 0.990-1.014 (session 10)
+    # and 1.001 (session 15, e7f71b2), then 0.973-0.990 in sessions 20-21 (the control 0.998),
+    # so with PACKAGE_AT a point of a bisection over the package's history. (REPS, the second
+    # argument: 12, for an interval of about +-1.5% on idle; about 4 minutes, so two points fit
+    # one 10-minute call: `PACKAGE_AT=e7f71b2 bash ... bench-8b-idle; bash ... bench-8b-idle`.)
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
-      --scenarios vanilla,vanilla-b,idle --reps ${3:-12} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
+      --scenarios vanilla,vanilla-b,idle --reps ${2:-12} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
       --out "$OUT" 2>&1 | tail -n 8
     ;;
   bench-quick|bench-full)
