@@ -97,9 +97,10 @@ case "$SET" in
     # A row stream's step time split between the step path and the harvest thread's store
     # (benchmarks/harvest_ablation.py: idle, hidden-last, hidden-4l, hidden-4l with its drained
     # rows dropped), one engine as the benchmark runs it (engine core on CPUs 4-7, the client on
-    # 0-3). (REPS, the second argument: 16 by default; about 3 minutes.)
+    # 0-3). (REPS, the second argument: 16 by default; about 3 minutes. CASES: the script's
+    # --cases, e.g. idle,hidden-last,hidden-last-nohost: the step path skipped on steady decode.)
     timeout 400 python3 benchmarks/harvest_ablation.py --model 1b --out "$OUT" \
-      --reps ${2:-16} >"$OUT/ablation.log" 2>&1; echo "ablation rc=$?"
+      --reps ${2:-16} ${CASES:+--cases $CASES} >"$OUT/ablation.log" 2>&1; echo "ablation rc=$?"
     grep -E "^(idle|hidden)" "$OUT/ablation.log" | cut -c1-900
     ;;
   extract)

@@ -52,7 +52,8 @@ from benchmarks.profile_step import capture_and_generate, quick_decode_engine  #
 from benchmarks.run import descendants, pin  # noqa: E402
 
 CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
-NOSTORE = "-nostore"
+NOSTORE, NOHOST = "-nostore", "-nohost"
+KNOWN_CASES = (*CASES, "hidden-last-nohost", "hidden-4l-nohost")
 
 
 def drop_stores(flag: Path) -> None:
@@ -78,20 +79,44 @@ def drop_stores(flag: Path) -> None:
     session_module.CaptureSession._store_batch = store_or_drop
 
 
+def skip_step_path(flag: Path) -> None:
+    """Patch the session's step path: while ``flag`` exists, a step with as many requests and
+    (padded) tokens as the step before it skips ``begin_step``, so the device's plan stays the
+    last planned step's. The flag is read only for such steps (one stat a step)."""
+    from vllm_capture.session import session as session_module
+
+    begin_step = session_module.CaptureSession.begin_step
+    last_shape = [None]
+
+    def begin_or_skip(self, step):
+        shape = (len(step.req_ids), step.num_rows_padded)
+        repeated, last_shape[0] = shape == last_shape[0], shape
+        if not (repeated and flag.exists()):
+            begin_step(self, step)
+
+    session_module.CaptureSession.begin_step = begin_or_skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--in-process", action="store_true")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"a comma list, idle first, of: {', '.join(KNOWN_CASES)}")
     args = p.parse_args()
+    cases = tuple(args.cases.split(","))
+    if cases[0] != S.IDLE or not set(cases) <= set(KNOWN_CASES):
+        p.error(f"--cases: idle first, then any of {', '.join(KNOWN_CASES)}; got {args.cases!r}")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm_capture import api
 
-    flag = Path(tempfile.mkdtemp(prefix="vllm-capture-ablation-flag-")) / "drop"
-    drop_stores(flag)
+    flags = Path(tempfile.mkdtemp(prefix="vllm-capture-ablation-flag-"))
+    drop_stores(flags / "drop")
+    skip_step_path(flags / "skip")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
@@ -106,9 +131,11 @@ def main() -> int:
         return api.capture_status(llm, S.HIDDEN)["host_timers"]
 
     def generate(case: str) -> dict:
-        cap = None if case == S.IDLE else S.SCENARIOS[case.removesuffix(NOSTORE)].capture
+        base = case.removesuffix(NOSTORE).removesuffix(NOHOST)
+        cap = None if case == S.IDLE else S.SCENARIOS[base].capture
         drop = case.endswith(NOSTORE)
-        if drop:
+        flag = flags / "drop" if drop else flags / "skip" if case.endswith(NOHOST) else None
+        if flag is not None:
             flag.touch()
         before = timers()
         gen_s = capture_and_generate(llm, cap, shape, w, params, prompts)
@@ -126,14 +153,19 @@ def main() -> int:
                 fetch_s = time.perf_counter() - t
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
         after = timers()
-        flag.unlink(missing_ok=True)
+        if flag is not None:
+            flag.unlink()
+        planned = after["steps"] - before["steps"]
+        if case.endswith(NOHOST) and planned > 8:
+            raise SystemExit(f"{case}: {planned} steps went through begin_step; the step-path "
+                             f"patch did not reach the engine")
         return {"gen_s": gen_s, "generated_tokens": w.generated_tokens, "fetch_s": fetch_s,
                 "timers": {k: after[k] - before[k] for k in after}}
 
-    runs: dict[str, list[dict]] = {c: [] for c in CASES}
+    runs: dict[str, list[dict]] = {c: [] for c in cases}
     previous = S.IDLE  # the warm-up generate
     for rep in range(args.reps):
-        for case in (CASES if rep % 2 == 0 else CASES[::-1]):
+        for case in (cases if rep % 2 == 0 else cases[::-1]):
             runs[case].append({**generate(case), "after": previous})
             previous = case
     summary = {}
