@@ -52,8 +52,8 @@ from benchmarks.profile_step import capture_and_generate, quick_decode_engine  #
 from benchmarks.run import descendants, pin  # noqa: E402
 
 CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
-NOSTORE, NOHOST = "-nostore", "-nohost"
-KNOWN_CASES = (*CASES, "hidden-last-nohost", "hidden-4l-nohost")
+NOSTORE, NOHOST, NOGPU = "-nostore", "-nohost", "-nogpu"
+KNOWN_CASES = (*CASES, "hidden-last-nohost", "hidden-4l-nohost", "hidden-last-nogpu")
 
 
 def drop_stores(flag: Path) -> None:
@@ -97,6 +97,23 @@ def skip_step_path(flag: Path) -> None:
     session_module.CaptureSession.begin_step = begin_or_skip
 
 
+def idle_on_device(flag: Path) -> None:
+    """Patch the switching of sites: while ``flag`` exists, sites switched on stay on for the host
+    (plans, graph copies keeping their nodes) while their device flags stay off."""
+    from vllm_capture.capture_graph import state as state_module
+    from vllm_capture.kernels import layout as L
+
+    set_enabled = state_module.CaptureGraphState.set_enabled
+
+    def set_enabled_host_only(self, component, layers):
+        set_enabled(self, component, layers)
+        if flag.exists():
+            for site in self.sites_of(component):
+                site.counter[L.SITE_ENABLED] = 0
+
+    state_module.CaptureGraphState.set_enabled = set_enabled_host_only
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
@@ -117,6 +134,7 @@ def main() -> int:
     flags = Path(tempfile.mkdtemp(prefix="vllm-capture-ablation-flag-"))
     drop_stores(flags / "drop")
     skip_step_path(flags / "skip")
+    idle_on_device(flags / "nogpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
@@ -131,12 +149,12 @@ def main() -> int:
         return api.capture_status(llm, S.HIDDEN)["host_timers"]
 
     def generate(case: str) -> dict:
-        base = case.removesuffix(NOSTORE).removesuffix(NOHOST)
-        cap = None if case == S.IDLE else S.SCENARIOS[base].capture
-        drop = case.endswith(NOSTORE)
-        flag = flags / "drop" if drop else flags / "skip" if case.endswith(NOHOST) else None
-        if flag is not None:
-            flag.touch()
+        suffix = next((x for x in (NOSTORE, NOHOST, NOGPU) if case.endswith(x)), "")
+        cap = None if case == S.IDLE else S.SCENARIOS[case.removesuffix(suffix)].capture
+        drop = suffix == NOSTORE
+        # (a plain case touches a file no patch reads)
+        flag = flags / {NOSTORE: "drop", NOHOST: "skip", NOGPU: "nogpu"}.get(suffix, "none")
+        flag.touch()
         before = timers()
         gen_s = capture_and_generate(llm, cap, shape, w, params, prompts)
         fetch_s = None
@@ -149,12 +167,15 @@ def main() -> int:
                                  f"{'did not reach' if drop else 'dropped rows of'} the engine")
             if not drop:
                 t = time.perf_counter()
-                api.fetch_captured(llm, cap.stream, clear=True)
+                tensors, _, _ = api.fetch_captured(llm, cap.stream, clear=True)
                 fetch_s = time.perf_counter() - t
+                rows = sum(len(t) for t in tensors.values())
+                if (suffix == NOGPU) != (rows == 0):
+                    raise SystemExit(f"{case}: {rows} rows fetched; the device-flag patch "
+                                     f"{'did not reach' if suffix == NOGPU else 'reached'} the engine")
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
         after = timers()
-        if flag is not None:
-            flag.unlink()
+        flag.unlink()
         planned = after["steps"] - before["steps"]
         if case.endswith(NOHOST) and planned > 8:
             raise SystemExit(f"{case}: {planned} steps went through begin_step; the step-path "
