@@ -100,7 +100,7 @@ case "$SET" in
     # 0-3). (REPS, the second argument: 16 by default; about 3 minutes. CASES: the script's
     # --cases, e.g. idle,hidden-last,hidden-last-nohost,hidden-last-nogpu: a last-token capture
     # without its host step path on steady decode, and without its GPU work.)
-    timeout 400 python3 benchmarks/harvest_ablation.py --model 1b --out "$OUT" \
+    timeout 560 python3 benchmarks/harvest_ablation.py --model 1b --out "$OUT" \
       --reps ${2:-16} ${CASES:+--cases $CASES} >"$OUT/ablation.log" 2>&1; echo "ablation rc=$?"
     grep -E "^(idle|hidden)" "$OUT/ablation.log" | cut -c1-900
     ;;
