@@ -21,13 +21,15 @@ the host has 8 or more. ``--in-process`` runs it in this process instead
 client process beside it, which on the H200 (session 17) hid most of what hidden-4l costs.
 
 Each case's generates are timed and paired with ``idle``'s of the same rep (geometric mean of
-the ratios, 95% interval), with the capture's host timers per step, and their median tok/s by the
-case that ran just before (``tok_s_after``: in the benchmark's 1B runs, idle read 6% lower
+the ratios, 95% interval), with the capture's host timers per step, the engine core's main
+thread's milliseconds a step on a CPU and blocked (``main_on_cpu_ms``, ``main_blocked_ms``: the
+1B's step is that thread's, and vLLM's wait for a step's output sleeps), and their median tok/s by
+the case that ran just before (``tok_s_after``: in the benchmark's 1B runs, idle read 6% lower
 against vanilla in the reps where it followed a capture). The summary goes to
 ``OUT/harvest_ablation.json``; one line per case is printed. A diagnostic: a dropped row is
-never what the product does, so the patch lives here, switched on by a flag file that only
-``hidden-4l-nostore`` creates; that its rows were dropped is checked (none stored), so a patch
-that did not reach the engine process fails the run instead of passing for a store.
+never what the product does, so the patches live here, each switched on by a flag file that only
+its case creates, and each checked to have reached the engine process, so that a patch that did
+not fails the run instead of passing for the product.
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ def main() -> int:
         pin([os.getpid()], cpus["client"])
         pin(descendants(os.getpid()), cpus["engine"])
     llm.generate(prompts.make(w), params, use_tqdm=False)
+    # The engine core's process (forked), or this one with --in-process.
+    engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
 
     def timers() -> dict:
         return api.capture_status(llm, S.HIDDEN)["host_timers"]
@@ -156,7 +160,7 @@ def main() -> int:
         flag = flags / {NOSTORE: "drop", NOHOST: "skip", NOGPU: "nogpu"}.get(suffix, "none")
         flag.touch()
         before = timers()
-        gen_s = capture_and_generate(llm, cap, shape, w, params, prompts)
+        gen_s, threads = capture_and_generate(llm, cap, shape, w, params, prompts, engine_pids)
         fetch_s = None
         if cap is not None:
             stored = api.capture_status(llm, cap.stream)["tokens_stored"]
@@ -180,8 +184,13 @@ def main() -> int:
         if case.endswith(NOHOST) and planned > 8:
             raise SystemExit(f"{case}: {planned} steps went through begin_step; the step-path "
                              f"patch did not reach the engine")
+        # The busiest process's first thread: the engine core's (the runner's, where steps run).
+        main = max((v for k, v in threads.items() if k.endswith("(main)")), key=lambda v: v[0])
         return {"gen_s": gen_s, "generated_tokens": w.generated_tokens, "fetch_s": fetch_s,
-                "timers": {k: after[k] - before[k] for k in after}}
+                "timers": {k: after[k] - before[k] for k in after},
+                # On a CPU, and neither on one nor waiting for one (blocked: on the GPU's
+                # blocking events, on I/O).
+                "main_ms": {"on_cpu": main[0], "blocked": gen_s * 1e3 - main[0] - main[1]}}
 
     runs: dict[str, list[dict]] = {c: [] for c in cases}
     previous = S.IDLE  # the warm-up generate
@@ -195,6 +204,9 @@ def main() -> int:
         per_step = {k: round(statistics.median(r["timers"][k] for r in reps) / steps, 4)
                     for k in ("begin_step_ms", "end_step_ms", "harvest_ms", "harvest_sync_ms",
                               "harvest_cpu_ms")}
+        for k in ("on_cpu", "blocked"):
+            per_step[f"main_{k}_ms"] = round(
+                statistics.median(r["main_ms"][k] for r in reps) / w.new_tokens, 4)
         repeats = statistics.median(r["timers"].get("repeat_steps", 0) for r in reps)
         # begin_step of a step that planned nothing (steady decode), per such step.
         per_step["begin_repeat_ms"] = (

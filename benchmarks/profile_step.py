@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import scenarios as S  # noqa: E402
-from benchmarks.run import Prompts, prepare_model  # noqa: E402
+from benchmarks.run import Prompts, prepare_model, thread_time_spent, thread_times  # noqa: E402
 
 WATCH = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaHostAlloc",
          "cudaMemcpyAsync", "cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "aten::copy_",
@@ -62,16 +62,19 @@ def quick_decode_engine(model: str, engine: str):
     return llm, shape, w, params, Prompts(shape.vocab)
 
 
-def capture_and_generate(llm, cap, shape, w, params, prompts) -> float:
+def capture_and_generate(llm, cap, shape, w, params, prompts, pids=()) -> tuple[float, dict]:
     """Start ``cap``'s stream (``None``: capture nothing), then generate ``w``'s batch once:
-    the generate's seconds."""
+    the generate's seconds, and the CPU time of the threads of ``pids`` over the generate alone
+    (``run.thread_time_spent``: ms on a CPU and waiting for one, by thread name)."""
     from vllm_capture import api
 
     if cap is not None:
         api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
+    before = thread_times(list(pids))
     t = time.perf_counter()
     llm.generate(prompts.make(w), params, use_tqdm=False)
-    return time.perf_counter() - t
+    gen_s = time.perf_counter() - t
+    return gen_s, thread_time_spent(before, thread_times(list(pids)))
 
 
 def main() -> int:
@@ -117,7 +120,7 @@ def main() -> int:
     for name, cap in scenarios.items():
         def generate():
             before = host_timers()
-            gen_s = capture_and_generate(llm, cap, shape, w, params, prompts)
+            gen_s, _ = capture_and_generate(llm, cap, shape, w, params, prompts)
             after = host_timers()
             t = time.perf_counter()
             if cap is not None:
