@@ -328,7 +328,7 @@ def _cpus(cpus: list[int] | None) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
-# How an engine got its compiled model (run.compiled_models), in the engine table's words.
+# How an engine got its compiled model (run.engine_log_facts), in the engine table's words.
 COMPILED_MODEL = {"compiled": "compiled in its process", "loaded": "loaded from the cache"}
 
 

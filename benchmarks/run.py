@@ -526,34 +526,36 @@ def engine_worker(job_path: str) -> int:
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
-def parse_kv_cache_tokens(log_text: str, engines: int = 1) -> list[int | None]:
-    """KV cache tokens of each of the ``engines`` a worker started, in start order."""
-    hits = [int(h.replace(",", "")) for h in KV_TOKENS.findall(log_text)]
-    return hits[-engines:] if len(hits) >= engines else [None] * engines
-
-
 LOG_PID = re.compile(r"^\([^()\s]+ pid=(\d+)\)", re.MULTILINE)
 COMPILED_HERE = "Compiling a graph for compile range"
 LOADED_FROM_CACHE = ("Directly load AOT compilation", "Directly load the compiled graph")
 
 
-def compiled_models(log_text: str, pids: dict[str, list[int]]) -> dict[str, str | None]:
-    """Per engine, how its processes (``pids``) got the compiled model, from vLLM's log lines:
-    "compiled" (in its own process, whatever else it loaded), "loaded" (from the compile cache),
-    or None (neither logged: an eager engine, or no log)."""
+def engine_log_facts(log_text: str, pids: dict[str, list[int]]) -> dict[str, dict]:
+    """Per engine, what vLLM's log lines of its processes (``pids``) say, each line going by
+    vLLM's per-process prefix ``(Name pid=N)`` (lines without one are nobody's):
+    ``kv_cache_tokens`` (its engine core's "KV cache size", None if not logged) and
+    ``compiled_model``: "compiled" (in its own process, whatever else it loaded), "loaded" (from
+    the compile cache), or None (neither logged: an eager engine, or no log)."""
     said: dict[int, set[str]] = {}
+    tokens: dict[int, int] = {}
     for line in log_text.splitlines():
         m = LOG_PID.match(line)
         if m is None:
             continue
+        pid = int(m.group(1))
         if COMPILED_HERE in line:
-            said.setdefault(int(m.group(1)), set()).add("compiled")
+            said.setdefault(pid, set()).add("compiled")
         elif any(s in line for s in LOADED_FROM_CACHE):
-            said.setdefault(int(m.group(1)), set()).add("loaded")
+            said.setdefault(pid, set()).add("loaded")
+        elif hit := KV_TOKENS.search(line):
+            tokens[pid] = int(hit.group(1).replace(",", ""))
     out = {}
     for engine, ps in pids.items():
         kinds = set().union(*(said.get(p, set()) for p in ps))
-        out[engine] = "compiled" if "compiled" in kinds else "loaded" if kinds else None
+        out[engine] = {
+            "kv_cache_tokens": next((tokens[p] for p in ps if p in tokens), None),
+            "compiled_model": "compiled" if "compiled" in kinds else "loaded" if kinds else None}
     return out
 
 
@@ -815,10 +817,8 @@ class Suite:
                             on_event, events)
         text = log.read_text(errors="replace")
         started = [e for e in group if infos[e].get("init_s") is not None]
-        for e, tokens in zip(started, parse_kv_cache_tokens(text, len(started))):
-            infos[e]["kv_cache_tokens"] = tokens
-        for e, how in compiled_models(text, {e: infos[e].pop("pids", []) for e in group}).items():
-            infos[e]["compiled_model"] = how
+        for e, facts in engine_log_facts(text, {e: infos[e].pop("pids", []) for e in group}).items():
+            infos[e].update(facts)
         failure = next((i["error"] for i in infos.values() if i.get("error")), None)
         for e in group:
             infos[e]["returncode"] = rc

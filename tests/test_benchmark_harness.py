@@ -34,6 +34,9 @@ def test_dry_run_side_by_side(tmp_path):
     assert engines["capture-graph"]["side_by_side_with"] == ["vanilla-graph"]
     assert engines["vanilla-graph"]["side_by_side_with"] == ["capture-graph"]
     assert all(e.get("init_s") and not e.get("error") for e in engines.values())
+    # Read from each engine's own processes' log lines (vLLM's per-process prefix).
+    assert all(isinstance(e["kv_cache_tokens"], int) and e["kv_cache_tokens"] > 0
+               for e in engines.values())
     rows = report["table"]["decode-c8"]
     assert set(rows) == {"vanilla", "idle", "hidden-last", "hidden-4l", "heads-4l", "heavy"}
     for name, agg in rows.items():

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import report as R
 from benchmarks import scenarios as S
-from benchmarks.run import compiled_models, parse_kv_cache_tokens, results_dir
+from benchmarks.run import engine_log_facts, results_dir
 
 
 # ---- scenario data ---------------------------------------------------------------------------
@@ -203,16 +203,10 @@ def test_plan_group_alternates_engines_within_each_workload():
     assert [(s["workload"], s["scenario"]) for s in skips] == [("prefill-c64", "heavy")]
 
 
-def test_kv_cache_tokens_of_engines_side_by_side():
-    log = "INFO ... GPU KV cache size: 1,000 tokens\nINFO Maximum concurrency ...\nKV cache size: 900 tokens\n"
-    assert parse_kv_cache_tokens(log, 2) == [1000, 900]
-    assert parse_kv_cache_tokens(log, 1) == [900]
-    assert parse_kv_cache_tokens("", 2) == [None, None]
-
-
-def test_compiled_models_from_the_log_lines_vllm_writes():
-    """Which engine compiled and which loaded, read from vLLM 0.26's own messages, each written
-    through vLLM's per-process prefix as an engine core's stdout is."""
+def test_engine_log_facts_from_the_log_lines_vllm_writes():
+    """Each engine's KV cache tokens and how it got its compiled model, read from vLLM 0.26's own
+    messages, each written through vLLM's per-process prefix as an engine core's stdout is: a
+    line goes to the engine whose processes include its pid, whatever the order of the lines."""
     import importlib.util
     import io
 
@@ -225,21 +219,26 @@ def test_compiled_models_from_the_log_lines_vllm_writes():
     loaded_graph = message("vllm.compilation.backends",
                            r'"(Directly load the compiled graph\(s\) for compile range %s )"')
     loaded_aot = message("vllm.compilation.decorators", r'"(Directly load AOT compilation from path %s)"')
+    kv = message("vllm.v1.core.kv_cache_utils", r'"(GPU KV cache size: %s tokens)"')
     out = io.StringIO()
-    for pid, line in [(11, compiled % ("(1, 8192)", 10.9)),
+    for pid, line in [(11, compiled % ("(1, 8192)", 10.9)), (22, kv % f"{900:,}"),
                       (22, loaded_aot % "/cache/model"), (55, loaded_graph % "(1, 8192)"),
                       (33, loaded_aot % "/cache/model"), (34, compiled % ("(1, 8192)", 3.0)),
-                      (44, "Dynamo bytecode transform time: 1.67 s")]:
+                      (44, "Dynamo bytecode transform time: 1.67 s"), (33, kv % f"{1234567:,}"),
+                      (11, kv % f"{1000:,}")]:
         f = io.StringIO()
         _add_prefix(f, "EngineCore", pid)
         f.write(f"INFO 12-02 00:26:24 [x.py:1] {line}\n")
         out.write(f.getvalue())
     out.write(compiled % ("(1, 8192)", 1.0) + "\n")  # no process prefix: nobody's
-    got = compiled_models(out.getvalue(), {"a": [11], "b": [22], "c": [33, 34], "d": [44], "e": [],
-                                           "f": [55]})
+    out.write(kv % "77" + "\n")
+    got = engine_log_facts(out.getvalue(), {"a": [11], "b": [22], "c": [33, 34], "d": [44],
+                                            "e": [], "f": [55]})
     # c: one process loaded and another compiled (TP workers): it compiled.
-    assert got == {"a": "compiled", "b": "loaded", "c": "compiled", "d": None, "e": None,
-                   "f": "loaded"}
+    assert {e: f["compiled_model"] for e, f in got.items()} == {
+        "a": "compiled", "b": "loaded", "c": "compiled", "d": None, "e": None, "f": "loaded"}
+    assert {e: f["kv_cache_tokens"] for e, f in got.items()} == {
+        "a": 1000, "b": 900, "c": 1234567, "d": None, "e": None, "f": None}
 
 
 def test_warm_cache_runs_the_warmers_apart_and_reads_how_each_engine_got_its_model(tmp_path, monkeypatch):
