@@ -148,6 +148,8 @@ def main() -> int:
     llm.generate(prompts.make(w), params, use_tqdm=False)
     # The engine core's process (forked), or this one with --in-process.
     engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
+    if not engine_pids:
+        raise SystemExit("no engine process among this one's children: try --in-process")
 
     def timers() -> dict:
         return api.capture_status(llm, S.HIDDEN)["host_timers"]
