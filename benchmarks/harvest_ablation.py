@@ -202,13 +202,14 @@ def main() -> int:
             previous = case
     summary = {}
     for case, reps in runs.items():
-        steps = max(1.0, statistics.median(r["timers"].get("steps", 0) for r in reps))
-        per_step = {k: round(statistics.median(r["timers"][k] for r in reps) / steps, 4)
+        # Per step of the generate (as run.py counts them), whether or not the session saw the
+        # step: with -nohost, begin_step sees a few.
+        per_step = {k: round(statistics.median(r["timers"][k] for r in reps) / w.new_tokens, 4)
                     for k in ("begin_step_ms", "end_step_ms", "harvest_ms", "harvest_sync_ms",
                               "harvest_cpu_ms")}
-        for k in ("on_cpu", "blocked"):
-            per_step[f"main_{k}_ms"] = round(
-                statistics.median(r["main_ms"][k] for r in reps) / w.new_tokens, 4)
+        per_step.update({f"main_{k}_ms": round(
+            statistics.median(r["main_ms"][k] for r in reps) / w.new_tokens, 4)
+            for k in ("on_cpu", "blocked")})
         repeats = statistics.median(r["timers"].get("repeat_steps", 0) for r in reps)
         # begin_step of a step that planned nothing (steady decode), per such step.
         per_step["begin_repeat_ms"] = (
