@@ -99,10 +99,13 @@ case "$SET" in
     # rows dropped), one engine as the benchmark runs it (engine core on CPUs 4-7, the client on
     # 0-3). (REPS, the second argument: 16 by default; about 3 minutes. CASES: the script's
     # --cases, e.g. idle,hidden-last,hidden-last-nohost,hidden-last-nogpu: a last-token capture
-    # without its host step path on steady decode, and without its GPU work.)
+    # without its host step path on steady decode, and without its GPU work. BUDGET_S: seconds of
+    # reps, 420 by default, so that the summary and its table of step phases get written.)
     timeout 560 python3 benchmarks/harvest_ablation.py --model 1b --out "$OUT" \
-      --reps ${2:-16} ${CASES:+--cases $CASES} >"$OUT/ablation.log" 2>&1; echo "ablation rc=$?"
-    grep -E "^(idle|hidden)" "$OUT/ablation.log" | cut -c1-900
+      --reps ${2:-16} --budget-s ${BUDGET_S:-420} ${CASES:+--cases $CASES} >"$OUT/ablation.log" 2>&1
+    echo "ablation rc=$?"
+    grep -E "^(idle|hidden)" "$OUT/ablation.log" | cut -c1-700
+    grep -A30 "^phase (ms/step)" "$OUT/ablation.log"
     ;;
   extract)
     # The main job's throughput (issue 6): Llama-3.2-1B shape (dummy weights), 4,096 prompts of

@@ -25,7 +25,10 @@ the ratios, 95% interval), with the capture's host timers per step, the engine c
 thread's milliseconds a step on a CPU and blocked (``main_on_cpu_ms``, ``main_blocked_ms``: the
 1B's step is that thread's, and vLLM's wait for a step's output sleeps), and their median tok/s by
 the case that ran just before (``tok_s_after``: in the benchmark's 1B runs, idle read 6% lower
-against vanilla in the reps where it followed a capture). The summary goes to
+against vanilla in the reps where it followed a capture), and the engine's step by phase
+(``PHASES``: the scheduler, the executor's and the runner's calls, the output wait, graph replay,
+capture's step path), ms a step and the same rep's difference from idle, so that a cost outside
+capture's own timers shows where in vLLM's step it lands. The summary goes to
 ``OUT/harvest_ablation.json``; one line per case is printed. A diagnostic: a dropped row is
 never what the product does, so the patches live here, each switched on by a flag file that only
 its case creates, and each checked to have reached the engine process, so that a patch that did
@@ -116,12 +119,98 @@ def idle_on_device(flag: Path) -> None:
     state_module.CaptureGraphState.set_enabled = set_enabled_host_only
 
 
+#: The engine's step, by phase: (module, class, method, phase name). Each is timed inclusive of
+#: what it calls (``iteration`` holds ``step``, which holds ``schedule``...), on whatever thread
+#: calls it (the engine core's main thread, for all of these); methods of one name add up in one
+#: row (the engine steps through one of them). Those the engine does not have
+#: (the V1 runner's names on the V2 runner, and the other way round) are left out.
+PHASES = (
+    ("vllm.v1.engine.core", "EngineCoreProc", "_process_input_queue", "input"),
+    ("vllm.v1.engine.core", "EngineCoreProc", "_process_engine_step", "iteration"),
+    ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue", "step"),
+    ("vllm.v1.engine.core", "EngineCore", "step", "step"),  # without async scheduling
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output"),
+    ("vllm.v1.executor.uniproc_executor", "UniProcExecutor", "execute_model", "execute_model"),
+    ("vllm.v1.executor.uniproc_executor", "UniProcExecutor", "sample_tokens", "sample_tokens"),
+    ("vllm.v1.executor.uniproc_executor", "AsyncOutputFuture", "result", "output_wait"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_inputs", "prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_attn", "prepare_attn"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "postprocess_sampled", "postprocess"),
+    ("vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output", "get_output"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward", "model_forward"),
+    ("vllm_capture.capture_graph.graph_nodes", "_KeptGraphMixin", "replay", "graph_replay"),
+    ("vllm_capture.session.session", "CaptureSession", "begin_step", "capture_begin_step"),
+    ("vllm_capture.session.session", "CaptureSession", "end_step", "capture_end_step"),
+)
+
+
+class PhaseTimers:
+    """Seconds and calls by phase, in an anonymous shared mapping made before the engine starts:
+    the engine core forked from this process adds to the same pages this one reads."""
+
+    def __init__(self, phases=PHASES):
+        import importlib
+        import mmap
+
+        import numpy as np
+
+        self.names = list(dict.fromkeys(name for *_, name in phases))
+        self._map = mmap.mmap(-1, 16 * len(self.names))
+        self._totals = np.frombuffer(self._map, dtype=np.float64).reshape(len(self.names), 2)
+        for module, cls, method, name in phases:
+            try:
+                owner = getattr(importlib.import_module(module), cls, None)
+            except ImportError:  # the GPU runner's modules, on a CPU build
+                owner = None
+            fn = None if owner is None else owner.__dict__.get(method)
+            if fn is not None:
+                setattr(owner, method, self._timed(fn, self._totals[self.names.index(name)]))
+
+    @staticmethod
+    def _timed(fn, total):
+        clock = time.perf_counter
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[0] += clock() - t0
+                total[1] += 1
+
+        return timed
+
+    def read(self) -> dict[str, tuple[float, int]]:
+        return {name: (float(s), int(n)) for name, (s, n) in zip(self.names, self._totals)}
+
+    @staticmethod
+    def spent(before: dict, after: dict) -> dict[str, dict]:
+        """ms and calls of each phase the engine ran between two reads."""
+        return {name: {"ms": (after[name][0] - s) * 1e3, "calls": after[name][1] - n}
+                for name, (s, n) in before.items() if after[name][1] > n}
+
+
+def print_phase_table(summary: dict, cases: tuple[str, ...]) -> None:
+    """ms a step by phase: idle's, then each case's difference from it (same rep, median)."""
+    names = list(summary[S.IDLE]["phase_ms_per_step"])
+    print(f"{'phase (ms/step)':<20}{'idle':>9}" + "".join(f"{c[:18]:>20}" for c in cases[1:]))
+    for name in names:
+        row = f"{name:<20}{summary[S.IDLE]['phase_ms_per_step'][name]:>9.4f}"
+        for case in cases[1:]:
+            row += f"{summary[case]['phase_ms_per_step_vs_idle'].get(name, float('nan')):>+20.4f}"
+        print(row, flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--in-process", action="store_true")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no rep that would end after this many seconds of reps (the "
+                        "slowest rep so far taken as the next one's length)")
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"a comma list, idle first, of: {', '.join(KNOWN_CASES)}")
     args = p.parse_args()
@@ -137,6 +226,7 @@ def main() -> int:
     drop_stores(flags / "drop")
     skip_step_path(flags / "skip")
     idle_on_device(flags / "nogpu")
+    phases = PhaseTimers()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
@@ -146,6 +236,9 @@ def main() -> int:
         pin([os.getpid()], cpus["client"])
         pin(descendants(os.getpid()), cpus["engine"])
     llm.generate(prompts.make(w), params, use_tqdm=False)
+    if not phases.read()["step"][1]:
+        raise SystemExit("the phase timers did not reach the engine core (was it spawned, not "
+                         "forked?): try --in-process")
     # The engine core's process (forked), or this one with --in-process.
     engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
     if not engine_pids:
@@ -161,7 +254,7 @@ def main() -> int:
         # (a plain case touches a file no patch reads)
         flag = flags / {NOSTORE: "drop", NOHOST: "skip", NOGPU: "nogpu"}.get(suffix, "none")
         flag.touch()
-        before = timers()
+        before, phases_before = timers(), phases.read()
         gen_s, threads = capture_and_generate(llm, cap, shape, w, params, prompts, engine_pids)
         fetch_s = None
         if cap is not None:
@@ -180,7 +273,7 @@ def main() -> int:
                     raise SystemExit(f"{case}: {rows} rows fetched; the device-flag patch "
                                      f"{'did not reach' if suffix == NOGPU else 'reached'} the engine")
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
-        after = timers()
+        after, phases_after = timers(), phases.read()
         flag.unlink()
         planned = after["steps"] - before["steps"]
         if suffix == NOHOST and planned > 8:
@@ -190,16 +283,23 @@ def main() -> int:
         main = max((v for k, v in threads.items() if k.endswith("(main)")), key=lambda v: v[0])
         return {"gen_s": gen_s, "generated_tokens": w.generated_tokens, "fetch_s": fetch_s,
                 "timers": {k: after[k] - before[k] for k in after},
+                "phases": PhaseTimers.spent(phases_before, phases_after),
                 # On a CPU, and neither on one nor waiting for one (blocked: on the GPU's
                 # blocking events, on I/O).
                 "main_ms": {"on_cpu": main[0], "blocked": gen_s * 1e3 - main[0] - main[1]}}
 
     runs: dict[str, list[dict]] = {c: [] for c in cases}
     previous = S.IDLE  # the warm-up generate
+    started, slowest = time.perf_counter(), 0.0
     for rep in range(args.reps):
+        if args.budget_s is not None and time.perf_counter() - started + slowest > args.budget_s:
+            print(f"budget: {rep} of {args.reps} reps", flush=True)
+            break
+        rep_start = time.perf_counter()
         for case in (cases if rep % 2 == 0 else cases[::-1]):
             runs[case].append({**generate(case), "after": previous})
             previous = case
+        slowest = max(slowest, time.perf_counter() - rep_start)
     summary = {}
     for case, reps in runs.items():
         # Per step of the generate (as run.py counts them), whether or not the session saw the
@@ -217,6 +317,11 @@ def main() -> int:
             if repeats else None)
         logs = [math.log(runs[S.IDLE][i]["gen_s"] / r["gen_s"]) for i, r in enumerate(reps)]
         fetches = [r["fetch_s"] for r in reps if r["fetch_s"] is not None]
+        # ms a step by phase, and the same rep's difference from idle (medians over reps).
+        phase_ms = {name: [r["phases"].get(name, {"ms": 0.0})["ms"] / w.new_tokens for r in reps]
+                    for name in phases.names if any(name in r["phases"] for r in reps)}
+        idle_ms = {name: [r["phases"].get(name, {"ms": 0.0})["ms"] / w.new_tokens
+                          for r in runs[S.IDLE]] for name in phase_ms}
         summary[case] = {
             "tok_s": round(w.generated_tokens / statistics.median(r["gen_s"] for r in reps)),
             # Whether a generate runs slower right after a capture than after idle.
@@ -224,9 +329,19 @@ def main() -> int:
                             R.median_tok_s_by(reps, lambda r: r["after"]).items()},
             "vs_idle": R.geometric_mean_interval(logs),
             "fetch_s": round(statistics.median(fetches), 4) if fetches else None,
-            "host_ms_per_step": per_step, "gen_s": [round(r["gen_s"], 4) for r in reps]}
+            "host_ms_per_step": per_step,
+            "phase_ms_per_step": {name: round(statistics.median(v), 4) for name, v in phase_ms.items()},
+            "phase_ms_per_step_vs_idle": {
+                name: round(statistics.median(a - b for a, b in zip(v, idle_ms[name])), 4)
+                for name, v in phase_ms.items()},
+            "phase_calls_per_step": {name: round(statistics.median(
+                r["phases"].get(name, {"calls": 0})["calls"] for r in reps) / w.new_tokens, 3)
+                for name in phase_ms},
+            "gen_s": [round(r["gen_s"], 4) for r in reps]}
         print(case, json.dumps(summary[case]), flush=True)
     summary["cpus"] = cpus
+    summary["reps"] = len(runs[S.IDLE])
+    print_phase_table(summary, cases)
     (out / "harvest_ablation.json").write_text(json.dumps(summary, indent=1))
     return 0
 
