@@ -1,5 +1,6 @@
 """The benchmark suite's pure parts (scenario data, planning, time budget, ratios, checks, files),
-the engine-free fetch benchmark's row check, and the engine-free step-path benchmark."""
+the engine-free fetch benchmark's row check, the engine-free step-path benchmark, and the
+ablation's step timers by phase (across a fork, as in the engine core)."""
 
 import json
 import os
@@ -949,3 +950,61 @@ def test_step_host_times_the_step_path_and_counts_plan_copies():
     assert last["begin_end_us"] > 0
     rows = step_host.measure(layers=2, width=8, requests=4, steps=20, reduce="all", device=cpu)
     assert (rows["plan_uploads"], rows["plan_steps"]) == (1, 19)
+
+
+# ---- the ablation's step by phase -----------------------------------------------------------
+
+class _Step:
+    """Stands in for the engine classes whose methods ``harvest_ablation.PhaseTimers`` wraps."""
+
+    def schedule(self, n):
+        return n + 1
+
+    def step(self):
+        return self.schedule(1)
+
+    def step_with_queue(self):
+        raise RuntimeError("failed step")
+
+
+def test_phase_timers_count_every_call_in_the_forked_engine_and_add_same_named_methods():
+    from benchmarks.harvest_ablation import PhaseTimers
+
+    here = __name__
+    timers = PhaseTimers((
+        (here, "_Step", "step", "step"),
+        (here, "_Step", "step_with_queue", "step"),  # one row for the engine's one step method
+        (here, "_Step", "schedule", "schedule"),
+        (here, "_Step", "no_such_method", "absent"),
+        ("vllm_capture.no_such_module", "Engine", "step", "missing"),
+    ))
+    assert timers.names == ["step", "schedule", "absent", "missing"]
+    before = timers.read()
+    pid = os.fork()
+    if pid == 0:  # the engine core, forked after the patch: its calls land in the parent's pages
+        try:
+            for _ in range(3):
+                _Step().step()
+            with pytest.raises(RuntimeError):
+                _Step().step_with_queue()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert _Step().schedule(1) == 2  # the wrapper returns what the method returns
+    spent = timers.spent(before, timers.read())
+    assert set(spent) == {"step", "schedule"}  # phases nobody ran are left out
+    assert spent["step"]["calls"] == 4  # a call that raised is timed too
+    assert spent["schedule"]["calls"] == 3 + 1
+    assert spent["step"]["ms"] >= 0 and spent["schedule"]["ms"] >= 0
+
+
+def test_print_phase_table_lists_each_cases_difference_from_idle(capsys):
+    from benchmarks.harvest_ablation import print_phase_table
+
+    summary = {"idle": {"phase_ms_per_step": {"step": 3.38, "schedule": 0.72}},
+               "hidden-last": {"phase_ms_per_step_vs_idle": {"step": 0.111, "schedule": 0.012}}}
+    print_phase_table(summary, ("idle", "hidden-last"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["phase", "(ms/step)", "idle", "hidden-last"]
+    assert lines[1].split() == ["step", "3.3800", "+0.1110"]
+    assert lines[2].split() == ["schedule", "0.7200", "+0.0120"]
