@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""What a capture leaves in the engine: idle generates before and after one capture, then after
+each way of letting go of what it held.
+
+    python3 benchmarks/after_capture.py --model 8b --out /tmp/out [--capture hidden-4l]
+        [--idle 4] [--rounds 2] [--in-process]
+
+Why: on the H200 (session 23, 8B, decode-c64, run W) an idle capture engine ran at vanilla's
+speed (10,749 tok/s) until its first hidden-4l generate, then 2.3% slower (10,317-10,500) for the
+rest of the run, right after idle generates too; beside hidden-last (run U) it did not slow. The
+8B's step is the GPU's (the engine's main thread is busy 3.5 of 6 ms), so whatever lingers slows
+the device's work or starves it.
+
+One capture engine, as the benchmark runs it (engine core forked, on CPUs 4-7, this client on
+0-3), goes through, per round:
+
+- ``before``: ``--idle`` idle generates;
+- ``capture``: one generate of ``--capture``, its fetch (rows dropped at once, as the benchmark
+  does), the stream stopped;
+- ``after``: idle generates;
+- then each release in turn, each followed by idle generates: ``client`` (this process's fetched
+  files let go: ``gc``, ``shm.settle``), ``worker-shm`` (the worker's kept reply-file mappings and
+  spare dropped and unmapped), ``device-cache`` (``torch.cuda.empty_cache`` in the worker),
+  ``host-cache`` (torch's caching host allocator emptied: the pinned blocks drains were copied
+  into), ``graph-copies`` (every captured graph's copies but the one replays use destroyed).
+
+The first release after which idle runs at ``before``'s speed again names what lingered; none
+doing so points at the device (a GPU-side state no release reaches) or at the engine's own
+drift, which ``--rounds 2`` (the whole sequence twice) tells apart. One line per generate (label,
+tok/s, the engine core's main thread ms a step on a CPU) and a summary: median tok/s per label
+and round against that round's ``before``, in ``OUT/after_capture.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import scenarios as S  # noqa: E402
+from benchmarks.profile_step import capture_and_generate, quick_decode_engine  # noqa: E402
+from benchmarks.run import descendants, pin  # noqa: E402
+
+RELEASES = ("client", "worker-shm", "device-cache", "host-cache", "graph-copies")
+
+
+# ---- releases in the engine's worker (sent by collective_rpc as pickled functions) ----------
+
+def _release_worker_shm(worker) -> int:
+    """Drop the worker's spare and close its kept reply-file mappings; the bytes they mapped."""
+    from vllm_capture.session import shm
+
+    shm.drop_spare()
+    maps = list(shm._kept.values())
+    mapped = sum(len(m) for m in maps)
+    shm._kept.clear()
+    shm._reap(maps=maps)
+    shm.settle()
+    return mapped
+
+
+def _empty_device_cache(worker) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    return reserved - torch.cuda.memory_reserved()
+
+
+def _empty_host_cache(worker) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    torch._C._host_emptyCache()
+    return 1
+
+
+def _drop_graph_copies(worker) -> int:
+    """Destroy every graph copy but the one its graph's replays use; how many."""
+    from vllm_capture.engine.worker_ext import SESSION_ATTR
+
+    session = getattr(worker, SESSION_ATTR, None)
+    nodes = None if session is None or session.graph_state is None else session.graph_state.nodes
+    if nodes is None or nodes.driver is None:
+        return 0
+    dropped = 0
+    for entry in list(nodes._graphs.values()):
+        for key, graph_exec in list(entry.variants.items()):
+            if graph_exec != entry.use:
+                nodes.driver.destroy_exec(graph_exec)
+                del entry.variants[key]
+                dropped += 1
+    return dropped
+
+
+def release(llm, name: str):
+    """Run release ``name``; what it reports (bytes or counts, by worker)."""
+    if name == "client":
+        from vllm_capture.session import shm
+
+        gc.collect()
+        shm.settle()
+        return None
+    fn = {"worker-shm": _release_worker_shm, "device-cache": _empty_device_cache,
+          "host-cache": _empty_host_cache, "graph-copies": _drop_graph_copies}[name]
+    return llm.collective_rpc(fn)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median tok/s by round and label, and each against its round's ``before``."""
+    out: dict = {}
+    for r in sorted({m["round"] for m in runs}):
+        labels = list(dict.fromkeys(m["label"] for m in runs if m["round"] == r))
+        med = {label: statistics.median(m["tok_s"] for m in runs
+                                        if m["round"] == r and m["label"] == label)
+               for label in labels}
+        out[r] = {label: {"tok_s": round(v), "vs_before": round(v / med["before"], 4)}
+                  for label, v in med.items()}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="8b", choices=sorted(S.MODELS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--capture", default="hidden-4l", help="a graph scenario of the suite")
+    p.add_argument("--idle", type=int, default=4, help="idle generates after each event")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--in-process", action="store_true")
+    args = p.parse_args()
+    if args.capture not in S.SCENARIOS or S.SCENARIOS[args.capture].capture is None:
+        p.error(f"--capture: a capture scenario, one of "
+                f"{', '.join(k for k, v in S.SCENARIOS.items() if v.capture)}")
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the releases travel as functions
+    from vllm_capture import api
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
+    cap = S.SCENARIOS[args.capture].capture
+    cpus = {}
+    if not args.in_process and len(os.sched_getaffinity(0)) >= 8:
+        cpus = {"client": [0, 1, 2, 3], "engine": [4, 5, 6, 7]}
+        pin([os.getpid()], cpus["client"])
+        pin(descendants(os.getpid()), cpus["engine"])
+    llm.generate(prompts.make(w), params, use_tqdm=False)
+    engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
+    runs: list[dict] = []
+    released: dict = {}
+
+    def generate(round_: int, label: str, capture=None) -> None:
+        gen_s, threads = capture_and_generate(llm, capture, shape, w, params, prompts, engine_pids)
+        fetch_s = None
+        if capture is not None:
+            t = time.perf_counter()
+            tensors, _, _ = api.fetch_captured(llm, capture.stream, clear=True)
+            fetch_s = time.perf_counter() - t
+            del tensors
+            api.stop_capture(llm, capture.stream)
+        main = max((v for k, v in threads.items() if k.endswith("(main)")), key=lambda v: v[0])
+        m = {"round": round_, "label": label, "tok_s": w.generated_tokens / gen_s,
+             "gen_s": gen_s, "fetch_s": fetch_s, "main_on_cpu_ms": main[0] / w.new_tokens}
+        runs.append(m)
+        print(f"{round_} {label:<14} {m['tok_s']:>9.0f} tok/s  main {m['main_on_cpu_ms']:.3f} ms/step"
+              + (f"  fetch {fetch_s:.3f} s" if fetch_s is not None else ""), flush=True)
+
+    for round_ in range(args.rounds):
+        for _ in range(args.idle):
+            generate(round_, "before")
+        generate(round_, "capture", cap)
+        for _ in range(args.idle):
+            generate(round_, "after")
+        for name in RELEASES:
+            released[f"{round_}:{name}"] = release(llm, name)
+            for _ in range(args.idle):
+                generate(round_, name)
+    summary = summarize(runs)
+    print(f"{'median tok/s':<16}" + "".join(f"{'round ' + str(r):>20}" for r in summary))
+    for label in dict.fromkeys(m["label"] for m in runs):
+        print(f"{label:<16}" + "".join(
+            f"{v[label]['tok_s']:>11} ({v[label]['vs_before']:.3f})" for v in summary.values()))
+    (out / "after_capture.json").write_text(json.dumps(
+        {"model": args.model, "capture": args.capture, "idle": args.idle, "cpus": cpus,
+         "released": released, "summary": summary, "runs": runs}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
