@@ -24,11 +24,17 @@ One capture engine, as the benchmark runs it (engine core forked, on CPUs 4-7, t
   ``host-cache`` (torch's caching host allocator emptied: the pinned blocks drains were copied
   into), ``graph-copies`` (every captured graph's copies but the one replays use destroyed).
 
-The first release after which idle runs at ``before``'s speed again names what lingered; none
+Before each event's idle generates, the FULL decode graph is replayed alone in the worker
+(``graph_replay``'s timing): whether the device's work for the same graph got slower, or the
+engine's step starves it. The first release after which idle runs at ``before``'s speed again
+names what lingered; none
 doing so points at the device (a GPU-side state no release reaches) or at the engine's own
-drift, which ``--rounds 2`` (the whole sequence twice) tells apart. One line per generate (label,
-tok/s, the engine core's main thread ms a step on a CPU) and a summary: median tok/s per label
-and round against that round's ``before``, in ``OUT/after_capture.json``.
+drift, which ``--rounds 2`` (the whole sequence twice) and ``--beside-vanilla`` (a vanilla engine
+in a process of its own, on CPUs 8-11, one generate before each of the capture engine's, as in
+the benchmark, where the slowdown was seen) tell apart. One line per generate (label, tok/s, the
+engine core's main thread ms a step on a CPU, vanilla's tok/s) and a summary: median tok/s per
+label and round against that round's ``before`` (and against vanilla's), in
+``OUT/after_capture.json``.
 """
 
 from __future__ import annotations
@@ -107,6 +113,25 @@ def _drop_graph_copies(worker) -> int:
     return dropped
 
 
+def _decode_graph_us(worker, tokens: int = 64, replays: int = 50):
+    """The FULL decode graph of ``tokens`` tokens replayed back to back, launched as the engine
+    launches it now (from the copy for the sites now on): GPU and host us a replay (V2 runner;
+    None elsewhere). Between generates its stale inputs write nothing a request reads."""
+    import torch
+
+    from benchmarks.graph_replay import _time
+
+    runner = getattr(worker, "worker", worker).model_runner
+    graphs = getattr(getattr(runner, "cudagraph_manager", None), "graphs", None)
+    if not graphs or not torch.cuda.is_available():
+        return None
+    from vllm.config import CUDAGraphMode
+
+    desc = next((d for d in graphs if d.cg_mode == CUDAGraphMode.FULL and d.num_tokens == tokens),
+                None)
+    return None if desc is None else _time(graphs[desc].replay, replays, torch.cuda.synchronize)
+
+
 def release(llm, name: str):
     """Run release ``name``; what it reports (bytes or counts, by worker)."""
     if name == "client":
@@ -121,15 +146,22 @@ def release(llm, name: str):
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Median tok/s by round and label, and each against its round's ``before``."""
+    """The capture engine's median tok/s by round and label, against its round's ``before`` and,
+    where a vanilla engine ran beside it, against vanilla's median of the same label."""
     out: dict = {}
     for r in sorted({m["round"] for m in runs}):
+        def median(engine: str, label: str) -> float | None:
+            v = [m["tok_s"] for m in runs
+                 if m["round"] == r and m["label"] == label and m["engine"] == engine]
+            return statistics.median(v) if v else None
+
         labels = list(dict.fromkeys(m["label"] for m in runs if m["round"] == r))
-        med = {label: statistics.median(m["tok_s"] for m in runs
-                                        if m["round"] == r and m["label"] == label)
-               for label in labels}
-        out[r] = {label: {"tok_s": round(v), "vs_before": round(v / med["before"], 4)}
-                  for label, v in med.items()}
+        before = median("capture", "before")
+        out[r] = {}
+        for label in labels:
+            tok_s, base = median("capture", label), median("vanilla", label)
+            out[r][label] = {"tok_s": round(tok_s), "vs_before": round(tok_s / before, 4),
+                             "vs_vanilla": None if base is None else round(tok_s / base, 4)}
     return out
 
 
@@ -141,7 +173,13 @@ def main() -> int:
     p.add_argument("--idle", type=int, default=4, help="idle generates after each event")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--in-process", action="store_true")
+    p.add_argument("--beside-vanilla", action="store_true",
+                   help="a vanilla engine beside it, as in the benchmark, one of its generates "
+                        "before each of the capture engine's: the speed the capture engine's is "
+                        "read against, minute by minute")
     args = p.parse_args()
+    if args.in_process and args.beside_vanilla:
+        p.error("--beside-vanilla needs each engine in a process of its own (not --in-process)")
     if args.capture not in S.SCENARIOS or S.SCENARIOS[args.capture].capture is None:
         p.error(f"--capture: a capture scenario, one of "
                 f"{', '.join(k for k, v in S.SCENARIOS.items() if v.capture)}")
@@ -154,18 +192,35 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
+    engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
+    vanilla = quick_decode_engine(args.model, "vanilla-graph")[0] if args.beside_vanilla else None
     cap = S.SCENARIOS[args.capture].capture
     cpus = {}
-    if not args.in_process and len(os.sched_getaffinity(0)) >= 8:
-        cpus = {"client": [0, 1, 2, 3], "engine": [4, 5, 6, 7]}
+    if not args.in_process and len(os.sched_getaffinity(0)) >= 12:
+        cpus = {"client": [0, 1, 2, 3], "engine": [4, 5, 6, 7], "vanilla": [8, 9, 10, 11]}
         pin([os.getpid()], cpus["client"])
-        pin(descendants(os.getpid()), cpus["engine"])
-    llm.generate(prompts.make(w), params, use_tqdm=False)
-    engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
+        pin(engine_pids, cpus["engine"])
+        pin([q for q in descendants(os.getpid()) if q not in engine_pids], cpus["vanilla"])
+    for engine in (llm, vanilla):
+        if engine is not None:
+            engine.generate(prompts.make(w), params, use_tqdm=False)
     runs: list[dict] = []
     released: dict = {}
+    graph_us: dict = {}
+
+    def time_graph(round_: int, label: str) -> None:
+        [timed] = llm.collective_rpc(_decode_graph_us, kwargs={"tokens": w.concurrency})[:1]
+        graph_us[f"{round_}:{label}"] = timed
+        if timed is not None:
+            print(f"{round_} {label:<14} graph {timed['gpu_us']:.1f} us on the GPU, "
+                  f"{timed['host_launch_us']:.1f} us to launch", flush=True)
 
     def generate(round_: int, label: str, capture=None) -> None:
+        if vanilla is not None:
+            t = time.perf_counter()
+            vanilla.generate(prompts.make(w), params, use_tqdm=False)
+            runs.append({"round": round_, "label": label, "engine": "vanilla",
+                         "tok_s": w.generated_tokens / (time.perf_counter() - t)})
         gen_s, threads = capture_and_generate(llm, capture, shape, w, params, prompts, engine_pids)
         fetch_s = None
         if capture is not None:
@@ -175,30 +230,37 @@ def main() -> int:
             del tensors
             api.stop_capture(llm, capture.stream)
         main = max((v for k, v in threads.items() if k.endswith("(main)")), key=lambda v: v[0])
-        m = {"round": round_, "label": label, "tok_s": w.generated_tokens / gen_s,
+        m = {"round": round_, "label": label, "engine": "capture", "tok_s": w.generated_tokens / gen_s,
              "gen_s": gen_s, "fetch_s": fetch_s, "main_on_cpu_ms": main[0] / w.new_tokens}
         runs.append(m)
         print(f"{round_} {label:<14} {m['tok_s']:>9.0f} tok/s  main {m['main_on_cpu_ms']:.3f} ms/step"
-              + (f"  fetch {fetch_s:.3f} s" if fetch_s is not None else ""), flush=True)
+              + (f"  fetch {fetch_s:.3f} s" if fetch_s is not None else "")
+              + (f"  vanilla {runs[-2]['tok_s']:.0f}" if vanilla is not None else ""), flush=True)
 
     for round_ in range(args.rounds):
+        time_graph(round_, "before")
         for _ in range(args.idle):
             generate(round_, "before")
         generate(round_, "capture", cap)
+        time_graph(round_, "after")
         for _ in range(args.idle):
             generate(round_, "after")
         for name in RELEASES:
             released[f"{round_}:{name}"] = release(llm, name)
+            time_graph(round_, name)
             for _ in range(args.idle):
                 generate(round_, name)
     summary = summarize(runs)
     print(f"{'median tok/s':<16}" + "".join(f"{'round ' + str(r):>20}" for r in summary))
     for label in dict.fromkeys(m["label"] for m in runs):
         print(f"{label:<16}" + "".join(
-            f"{v[label]['tok_s']:>11} ({v[label]['vs_before']:.3f})" for v in summary.values()))
+            f"{v[label]['tok_s']:>11} ({v[label]['vs_before']:.3f}"
+            + (f"; {v[label]['vs_vanilla']:.3f}" if v[label]["vs_vanilla"] is not None else "")
+            + ")" for v in summary.values()))
     (out / "after_capture.json").write_text(json.dumps(
         {"model": args.model, "capture": args.capture, "idle": args.idle, "cpus": cpus,
-         "released": released, "summary": summary, "runs": runs}, indent=1, default=str))
+         "released": released, "graph_us": graph_us, "summary": summary, "runs": runs},
+        indent=1, default=str))
     return 0
 
 

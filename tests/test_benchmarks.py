@@ -1008,3 +1008,19 @@ def test_print_phase_table_lists_each_cases_difference_from_idle(capsys):
     assert lines[0].split() == ["phase", "(ms/step)", "idle", "hidden-last"]
     assert lines[1].split() == ["step", "3.3800", "+0.1110"]
     assert lines[2].split() == ["schedule", "0.7200", "+0.0120"]
+
+
+def test_after_capture_summary_reads_each_label_against_before_and_vanilla():
+    from benchmarks.after_capture import summarize
+
+    runs = [{"round": 0, "label": "before", "engine": "capture", "tok_s": t} for t in (100, 102, 98)]
+    runs += [{"round": 0, "label": "before", "engine": "vanilla", "tok_s": 100}]
+    runs += [{"round": 0, "label": "after", "engine": "capture", "tok_s": t} for t in (97, 98)]
+    runs += [{"round": 0, "label": "after", "engine": "vanilla", "tok_s": t} for t in (100, 110)]
+    runs += [{"round": 1, "label": "before", "engine": "capture", "tok_s": 50},
+             {"round": 1, "label": "host-cache", "engine": "capture", "tok_s": 45}]
+    s = summarize(runs)
+    assert s[0]["before"] == {"tok_s": 100, "vs_before": 1.0, "vs_vanilla": 1.0}
+    assert s[0]["after"] == {"tok_s": 98, "vs_before": 0.975, "vs_vanilla": round(97.5 / 105, 4)}
+    # A round is read against its own before; without a vanilla engine there is no such ratio.
+    assert s[1]["host-cache"] == {"tok_s": 45, "vs_before": 0.9, "vs_vanilla": None}
