@@ -3,13 +3,14 @@
 each way of letting go of what it held.
 
     python3 benchmarks/after_capture.py --model 8b --out /tmp/out [--capture hidden-4l]
-        [--idle 4] [--rounds 2] [--in-process]
+        [--idle 4] [--rounds 2] [--beside-vanilla | --in-process]
 
 Why: on the H200 (session 23, 8B, decode-c64, run W) an idle capture engine ran at vanilla's
-speed (10,749 tok/s) until its first hidden-4l generate, then 2.3% slower (10,317-10,500) for the
-rest of the run, right after idle generates too; beside hidden-last (run U) it did not slow. The
-8B's step is the GPU's (the engine's main thread is busy 3.5 of 6 ms), so whatever lingers slows
-the device's work or starves it.
+speed (10,749 tok/s) until its first hidden-4l generate, then 2.3% slower (10,317-10,500) in
+every idle generate after it, right after idle generates too (each within two of the engine's
+generates of a hidden-4l); beside hidden-last (run U) it did not slow. The 8B's step is the
+GPU's (the engine's main thread is busy 3.5 of 6 ms), so whatever lingers slows the device's
+work or starves it.
 
 One capture engine, as the benchmark runs it (engine core forked, on CPUs 4-7, this client on
 0-3), goes through, per round:
@@ -18,7 +19,9 @@ One capture engine, as the benchmark runs it (engine core forked, on CPUs 4-7, t
 - ``capture``: one generate of ``--capture``, its fetch (rows dropped at once, as the benchmark
   does), the stream stopped;
 - ``after``: idle generates;
-- then each release in turn, each followed by idle generates: ``client`` (this process's fetched
+- then each release in turn, each followed by idle generates: ``wait`` (5 s of nothing: in
+  sessions 15 and 21, idle read at vanilla's speed where another engine's generates came between
+  it and the row streams, so the slowdown may fade with time), ``client`` (this process's fetched
   files let go: ``gc``, ``shm.settle``), ``worker-shm`` (the worker's kept reply-file mappings and
   spare dropped and unmapped), ``device-cache`` (``torch.cuda.empty_cache`` in the worker),
   ``host-cache`` (torch's caching host allocator emptied: the pinned blocks drains were copied
@@ -27,9 +30,8 @@ One capture engine, as the benchmark runs it (engine core forked, on CPUs 4-7, t
 Before each event's idle generates, the FULL decode graph is replayed alone in the worker
 (``graph_replay``'s timing): whether the device's work for the same graph got slower, or the
 engine's step starves it. The first release after which idle runs at ``before``'s speed again
-names what lingered; none
-doing so points at the device (a GPU-side state no release reaches) or at the engine's own
-drift, which ``--rounds 2`` (the whole sequence twice) and ``--beside-vanilla`` (a vanilla engine
+names what lingered; none doing so points at the device (a GPU-side state no release reaches) or
+at the engine's own drift, which ``--rounds 2`` (the whole sequence twice) and ``--beside-vanilla`` (a vanilla engine
 in a process of its own, on CPUs 8-11, one generate before each of the capture engine's, as in
 the benchmark, where the slowdown was seen) tell apart. One line per generate (label, tok/s, the
 engine core's main thread ms a step on a CPU, vanilla's tok/s) and a summary: median tok/s per
@@ -56,7 +58,9 @@ from benchmarks import scenarios as S  # noqa: E402
 from benchmarks.profile_step import capture_and_generate, quick_decode_engine  # noqa: E402
 from benchmarks.run import descendants, pin  # noqa: E402
 
-RELEASES = ("client", "worker-shm", "device-cache", "host-cache", "graph-copies")
+RELEASES = ("wait", "client", "worker-shm", "device-cache", "host-cache", "graph-copies")
+#: Seconds the ``wait`` release waits, doing nothing: a slowdown that fades with time fades here.
+WAIT_S = 5.0
 
 
 # ---- releases in the engine's worker (sent by collective_rpc as pickled functions) ----------
@@ -134,6 +138,9 @@ def _decode_graph_us(worker, tokens: int = 64, replays: int = 50):
 
 def release(llm, name: str):
     """Run release ``name``; what it reports (bytes or counts, by worker)."""
+    if name == "wait":
+        time.sleep(WAIT_S)
+        return None
     if name == "client":
         from vllm_capture.session import shm
 
