@@ -55,7 +55,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import scenarios as S  # noqa: E402
-from benchmarks.profile_step import capture_and_generate, quick_decode_engine  # noqa: E402
+from benchmarks.profile_step import (  # noqa: E402
+    capture_and_generate, engine_main_thread, quick_decode_engine)
 from benchmarks.run import descendants, pin  # noqa: E402
 
 RELEASES = ("wait", "client", "worker-shm", "device-cache", "host-cache", "graph-copies")
@@ -240,7 +241,7 @@ def main() -> int:
             fetch_s = time.perf_counter() - t
             del tensors
             api.stop_capture(llm, capture.stream)
-        main = max((v for k, v in threads.items() if k.endswith("(main)")), key=lambda v: v[0])
+        main = engine_main_thread(threads)
         m = {"round": round_, "label": label, "engine": "capture", "tok_s": w.generated_tokens / gen_s,
              "gen_s": gen_s, "fetch_s": fetch_s, "main_on_cpu_ms": main[0] / w.new_tokens}
         runs.append(m)

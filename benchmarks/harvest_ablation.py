@@ -53,7 +53,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
-from benchmarks.profile_step import capture_and_generate, quick_decode_engine  # noqa: E402
+from benchmarks.profile_step import (  # noqa: E402
+    capture_and_generate, engine_main_thread, quick_decode_engine)
 from benchmarks.run import descendants, pin  # noqa: E402
 
 CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
@@ -307,8 +308,7 @@ def main() -> int:
         if suffix == NOHOST and planned > 8:
             raise SystemExit(f"{case}: {planned} steps went through begin_step; the step-path "
                              f"patch did not reach the engine")
-        # The busiest process's first thread: the engine core's (the runner's, where steps run).
-        main = max((v for k, v in threads.items() if k.endswith("(main)")), key=lambda v: v[0])
+        main = engine_main_thread(threads)
         return {"gen_s": gen_s, "generated_tokens": w.generated_tokens, "fetch_s": fetch_s,
                 "timers": {k: after[k] - before[k] for k in after},
                 "phases": PhaseTimers.spent(phases_before, phases_after),

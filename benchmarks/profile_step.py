@@ -62,6 +62,12 @@ def quick_decode_engine(model: str, engine: str):
     return llm, shape, w, params, Prompts(shape.vocab)
 
 
+def engine_main_thread(threads: dict) -> tuple[float, float]:
+    """Of ``capture_and_generate``'s thread times, the busiest process's first thread (the engine
+    core's, where the steps run): ms on a CPU and waiting for one."""
+    return max((v for k, v in threads.items() if k.endswith("(main)")), key=lambda v: v[0])
+
+
 def capture_and_generate(llm, cap, shape, w, params, prompts, pids=()) -> tuple[float, dict]:
     """Start ``cap``'s stream (``None``: capture nothing), then generate ``w``'s batch once:
     the generate's seconds, and the CPU time of the threads of ``pids`` over the generate alone
