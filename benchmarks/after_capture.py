@@ -137,20 +137,23 @@ def _decode_graph_us(worker, tokens: int = 64, replays: int = 50):
     return None if desc is None else _time(graphs[desc].replay, replays, torch.cuda.synchronize)
 
 
+def _release_client() -> None:
+    from vllm_capture.session import shm
+
+    gc.collect()
+    shm.settle()
+
+
 def release(llm, name: str):
     """Run release ``name``; what it reports (bytes or counts, by worker)."""
     if name == "wait":
         time.sleep(WAIT_S)
         return None
-    if name == "client":
-        from vllm_capture.session import shm
-
-        gc.collect()
-        shm.settle()
-        return None
-    fn = {"worker-shm": _release_worker_shm, "device-cache": _empty_device_cache,
-          "host-cache": _empty_host_cache, "graph-copies": _drop_graph_copies}[name]
     try:
+        if name == "client":
+            return _release_client()
+        fn = {"worker-shm": _release_worker_shm, "device-cache": _empty_device_cache,
+              "host-cache": _empty_host_cache, "graph-copies": _drop_graph_copies}[name]
         return llm.collective_rpc(fn)
     except Exception as exc:  # an older package (PACKAGE_AT) may lack what a release reaches
         print(f"release {name} failed: {exc!r}", flush=True)
