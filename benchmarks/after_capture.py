@@ -29,7 +29,7 @@ One capture engine, as the benchmark runs it (engine core forked, on CPUs 4-7, t
 
 Before each event's idle generates, the FULL decode graph is replayed alone in the worker
 (``graph_replay``'s timing): whether the device's work for the same graph got slower, or the
-engine's step starves it. The first release after which idle runs at ``before``'s speed again
+engine's step starves it; and the worker's device and pinned host allocators' holdings are read. The first release after which idle runs at ``before``'s speed again
 names what lingered; none doing so points at the device (a GPU-side state no release reaches) or
 at the engine's own drift, which ``--rounds 2`` (the whole sequence twice) and ``--beside-vanilla`` (a vanilla engine
 in a process of its own, on CPUs 8-11, one generate before each of the capture engine's, as in
@@ -137,6 +137,21 @@ def _decode_graph_us(worker, tokens: int = 64, replays: int = 50):
     return None if desc is None else _time(graphs[desc].replay, replays, torch.cuda.synchronize)
 
 
+def _memory(worker) -> dict | None:
+    """The worker's device allocator (reserved, allocated) and pinned host allocator (held,
+    handed out) in MB; None off CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    host = torch.cuda.host_memory_stats()
+    mb = 1 << 20
+    return {"device_reserved_mb": torch.cuda.memory_reserved() // mb,
+            "device_allocated_mb": torch.cuda.memory_allocated() // mb,
+            "pinned_held_mb": host.get("allocated_bytes.current", 0) // mb,
+            "pinned_active_mb": host.get("active_bytes.current", 0) // mb}
+
+
 def _release_client() -> None:
     from vllm_capture.session import shm
 
@@ -221,14 +236,15 @@ def main() -> int:
             engine.generate(prompts.make(w), params, use_tqdm=False)
     runs: list[dict] = []
     released: dict = {}
-    graph_us: dict = {}
+    device_state: dict = {}
 
     def time_graph(round_: int, label: str) -> None:
         [timed] = llm.collective_rpc(_decode_graph_us, kwargs={"tokens": w.concurrency})[:1]
-        graph_us[f"{round_}:{label}"] = timed
+        [memory] = llm.collective_rpc(_memory)[:1]
+        device_state[f"{round_}:{label}"] = {"graph": timed, "memory": memory}
         if timed is not None:
             print(f"{round_} {label:<14} graph {timed['gpu_us']:.1f} us on the GPU, "
-                  f"{timed['host_launch_us']:.1f} us to launch", flush=True)
+                  f"{timed['host_launch_us']:.1f} us to launch; {memory}", flush=True)
 
     def generate(round_: int, label: str, capture=None) -> None:
         if vanilla is not None:
@@ -274,7 +290,7 @@ def main() -> int:
             + ")" for v in summary.values()))
     (out / "after_capture.json").write_text(json.dumps(
         {"model": args.model, "capture": args.capture, "idle": args.idle, "cpus": cpus,
-         "released": released, "graph_us": graph_us, "summary": summary, "runs": runs},
+         "released": released, "device_state": device_state, "summary": summary, "runs": runs},
         indent=1, default=str))
     return 0
 
