@@ -412,8 +412,10 @@ class CaptureSession:
                     num_computed_tokens: int = 0) -> None:
         if req_id in self._requests:
             return  # resumed after preemption: keep the original prompt length
-        info = RequestInfo(tuple(int(t) for t in (prompt_token_ids or ())),
-                           num_cached=int(num_computed_tokens))
+        # Every new request passes here, with or without a stream on (one may start while it
+        # runs), so on an idle engine's step path: a plain copy of vLLM's list of ints (4 us for
+        # 2,048 ids on the CPU VM; converting each id with int() took 180 us).
+        info = RequestInfo(tuple(prompt_token_ids or ()), num_cached=int(num_computed_tokens))
         if not info.prompt_token_ids:
             self._unsupported_requests[req_id] = (
                 "capture needs the prompt's token ids (prompt embeddings are not supported)")
