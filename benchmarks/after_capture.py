@@ -118,38 +118,28 @@ def _drop_graph_copies(worker) -> int:
     return dropped
 
 
-def _decode_graph_us(worker, tokens: int = 64, replays: int = 50):
-    """The FULL decode graph of ``tokens`` tokens replayed back to back, launched as the engine
-    launches it now (from the copy for the sites now on): GPU and host us a replay (V2 runner;
-    None elsewhere). Between generates its stale inputs write nothing a request reads."""
+def _device_state(worker, tokens: int, replays: int = 50) -> dict | None:
+    """On CUDA (None elsewhere): the FULL decode graph of ``tokens`` tokens replayed back to
+    back, launched as the engine launches it now (from the copy for the sites now on), GPU and
+    host us a replay (None off the V2 runner; between generates its stale inputs write nothing a
+    request reads); and the worker's device allocator (reserved, allocated) and pinned host
+    allocator (held, handed out) in MB."""
     import torch
 
-    from benchmarks.graph_replay import _time
-
-    runner = getattr(worker, "worker", worker).model_runner
-    graphs = getattr(getattr(runner, "cudagraph_manager", None), "graphs", None)
-    if not graphs or not torch.cuda.is_available():
-        return None
-    from vllm.config import CUDAGraphMode
-
-    desc = next((d for d in graphs if d.cg_mode == CUDAGraphMode.FULL and d.num_tokens == tokens),
-                None)
-    return None if desc is None else _time(graphs[desc].replay, replays, torch.cuda.synchronize)
-
-
-def _memory(worker) -> dict | None:
-    """The worker's device allocator (reserved, allocated) and pinned host allocator (held,
-    handed out) in MB; None off CUDA."""
-    import torch
+    from benchmarks.graph_replay import _time, full_graph_desc, runner_graphs
 
     if not torch.cuda.is_available():
         return None
+    graphs = runner_graphs(worker)
+    desc = None if not graphs else full_graph_desc(graphs, tokens)
     host = torch.cuda.host_memory_stats()
     mb = 1 << 20
-    return {"device_reserved_mb": torch.cuda.memory_reserved() // mb,
-            "device_allocated_mb": torch.cuda.memory_allocated() // mb,
-            "pinned_held_mb": host.get("allocated_bytes.current", 0) // mb,
-            "pinned_active_mb": host.get("active_bytes.current", 0) // mb}
+    return {"graph": None if desc is None else _time(graphs[desc].replay, replays,
+                                                     torch.cuda.synchronize),
+            "memory": {"device_reserved_mb": torch.cuda.memory_reserved() // mb,
+                       "device_allocated_mb": torch.cuda.memory_allocated() // mb,
+                       "pinned_held_mb": host.get("allocated_bytes.current", 0) // mb,
+                       "pinned_active_mb": host.get("active_bytes.current", 0) // mb}}
 
 
 def _release_client() -> None:
@@ -238,13 +228,13 @@ def main() -> int:
     released: dict = {}
     device_state: dict = {}
 
-    def time_graph(round_: int, label: str) -> None:
-        [timed] = llm.collective_rpc(_decode_graph_us, kwargs={"tokens": w.concurrency})[:1]
-        [memory] = llm.collective_rpc(_memory)[:1]
-        device_state[f"{round_}:{label}"] = {"graph": timed, "memory": memory}
-        if timed is not None:
-            print(f"{round_} {label:<14} graph {timed['gpu_us']:.1f} us on the GPU, "
-                  f"{timed['host_launch_us']:.1f} us to launch; {memory}", flush=True)
+    def read_device(round_: int, label: str) -> None:
+        state = llm.collective_rpc(_device_state, kwargs={"tokens": w.concurrency})[0]
+        device_state[f"{round_}:{label}"] = state
+        if state is not None and state["graph"] is not None:
+            print(f"{round_} {label:<14} graph {state['graph']['gpu_us']:.1f} us on the GPU, "
+                  f"{state['graph']['host_launch_us']:.1f} us to launch; {state['memory']}",
+                  flush=True)
 
     def generate(round_: int, label: str, capture=None) -> None:
         if vanilla is not None:
@@ -269,16 +259,16 @@ def main() -> int:
               + (f"  vanilla {runs[-2]['tok_s']:.0f}" if vanilla is not None else ""), flush=True)
 
     for round_ in range(args.rounds):
-        time_graph(round_, "before")
+        read_device(round_, "before")
         for _ in range(args.idle):
             generate(round_, "before")
         generate(round_, "capture", cap)
-        time_graph(round_, "after")
+        read_device(round_, "after")
         for _ in range(args.idle):
             generate(round_, "after")
         for name in RELEASES:
             released[f"{round_}:{name}"] = release(llm, name)
-            time_graph(round_, name)
+            read_device(round_, name)
             for _ in range(args.idle):
                 generate(round_, name)
     summary = summarize(runs)

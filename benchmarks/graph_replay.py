@@ -118,22 +118,34 @@ def _time(launch, n: int, sync) -> dict:
             "host_launch_us": round(host * 1e6 / n, 2)}
 
 
+def runner_graphs(worker) -> dict | None:
+    """The V2 runner's captured CUDA graphs by batch descriptor (None on another runner);
+    ``worker`` as ``collective_rpc`` hands it over, or the worker it wraps."""
+    runner = getattr(worker, "worker", worker).model_runner
+    return getattr(getattr(runner, "cudagraph_manager", None), "graphs", None)
+
+
+def full_graph_desc(graphs: dict, tokens: int):
+    """The descriptor of the FULL graph of ``tokens`` tokens among ``graphs``, or None."""
+    from vllm.config import CUDAGraphMode
+
+    return next((d for d in graphs if d.cg_mode == CUDAGraphMode.FULL and d.num_tokens == tokens),
+                None)
+
+
 def measure(worker, tokens: int, n: int, rounds: int) -> dict:
     """Runs in the worker (``collective_rpc``)."""
     import torch
 
-    from vllm.config import CUDAGraphMode
-
     worker = getattr(worker, "worker", worker)  # the wrapper's worker
-    runner = worker.model_runner
-    graphs = getattr(getattr(runner, "cudagraph_manager", None), "graphs", None)
+    graphs = runner_graphs(worker)
     if graphs is None:
-        return {"error": f"no cudagraph_manager.graphs on {type(runner).__name__} (V2 runner only)"}
-    descs = [d for d in graphs if d.cg_mode == CUDAGraphMode.FULL and d.num_tokens == tokens]
-    if not descs:
+        return {"error": f"no cudagraph_manager.graphs on {type(worker.model_runner).__name__} "
+                         "(V2 runner only)"}
+    desc = full_graph_desc(graphs, tokens)
+    if desc is None:
         return {"error": f"no FULL graph of {tokens} tokens; have "
                          f"{sorted({(d.cg_mode.name, d.num_tokens) for d in graphs})[:40]}"}
-    desc = descs[0]
     g = graphs[desc]
     cuda = _Cuda()
     raw = g.raw_cuda_graph()

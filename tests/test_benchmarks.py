@@ -1024,3 +1024,25 @@ def test_after_capture_summary_reads_each_label_against_before_and_vanilla():
     assert s[0]["after"] == {"tok_s": 98, "vs_before": 0.975, "vs_vanilla": round(97.5 / 105, 4)}
     # A round is read against its own before; without a vanilla engine there is no such ratio.
     assert s[1]["host-cache"] == {"tok_s": 45, "vs_before": 0.9, "vs_vanilla": None}
+
+
+def test_full_graph_desc_picks_the_full_graph_of_the_decode_batch():
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from benchmarks.graph_replay import full_graph_desc, runner_graphs
+
+    Desc = namedtuple("Desc", "cg_mode num_tokens")  # a hashable stand-in for vLLM's descriptor
+    pw64 = Desc(CUDAGraphMode.PIECEWISE, 64)
+    full32 = Desc(CUDAGraphMode.FULL, 32)
+    full64 = Desc(CUDAGraphMode.FULL, 64)
+    graphs = {pw64: "pw", full32: "f32", full64: "f64"}
+    assert full_graph_desc(graphs, 64) is full64
+    assert full_graph_desc(graphs, 16) is None
+    runner = SimpleNamespace(cudagraph_manager=SimpleNamespace(graphs=graphs))
+    wrapper = SimpleNamespace(worker=SimpleNamespace(model_runner=runner))
+    assert runner_graphs(wrapper) is graphs  # collective_rpc's wrapper, or the worker itself
+    assert runner_graphs(wrapper.worker) is graphs
+    assert runner_graphs(SimpleNamespace(model_runner=SimpleNamespace())) is None  # V1 runner
