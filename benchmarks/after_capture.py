@@ -1,42 +1,53 @@
 #!/usr/bin/env python3
-"""What a capture leaves in the engine: idle generates before and after one capture, then after
+"""What a capture leaves in the engine: idle generates before and after a capture, then after
 each way of letting go of what it held.
 
     python3 benchmarks/after_capture.py --model 8b --out /tmp/out [--capture hidden-4l]
-        [--idle 4] [--rounds 2] [--beside-vanilla | --in-process]
+        [--idle 4] [--captures 2] [--rounds 2] [--beside-vanilla | --in-process]
 
-Why: on the H200 (session 23, 8B, decode-c64, run W) an idle capture engine ran at vanilla's
-speed (10,749 tok/s) until its first hidden-4l generate, then 2.3% slower (10,317-10,500) in
-every idle generate after it, right after idle generates too (each within two of the engine's
-generates of a hidden-4l); beside hidden-last (run U) it did not slow. The 8B's step is the
-GPU's (the engine's main thread is busy 3.5 of 6 ms), so whatever lingers slows the device's
-work or starves it.
+Why: on the H200 (8B, decode-c64) the benchmark's idle capture engine runs at vanilla's speed
+until its first full hidden-4l generate, then about 2.5% slower in every idle generate after it
+(session 23's run W; session 24's runs with the package as at HEAD, d18d3ea, 58a15b9 and e7f71b2
+alike, so no change of the package's last 17 commits brought it); hidden-4l's own generates then
+run at that same slower speed. Beside hidden-last (run U) idle did not slow. The 8B's step is
+the GPU's (the engine's main thread is busy 3.5 of 6 ms), so whatever lingers slows the device's
+work or starves it. Session 24's first run of this script did not reproduce it: there, before
+each event's idle generates, the FULL decode graph was replayed 60 times in the worker and the
+device synchronized (a probe the benchmark never runs), and the probe right after the capture read
+the graph 2.7% slower (5,697 against 5,549 us), the idle generates after it at full speed. So the
+probe now runs after each event's generates, and releases ``synchronize`` and ``replays`` (the
+probe itself) come before the others.
 
 One capture engine, as the benchmark runs it (engine core forked, on CPUs 4-7, this client on
-0-3), goes through, per round:
+0-3, one small capture of the same stream first, as the benchmark's ``touch_streams``), goes
+through, per round:
 
 - ``before``: ``--idle`` idle generates;
-- ``capture``: one generate of ``--capture``, its fetch (rows dropped at once, as the benchmark
-  does), the stream stopped;
+- ``capture``: ``--captures`` generates of ``--capture`` (the benchmark's idle slowed after its
+  first two), each fetched (rows dropped at once, as the benchmark does), the stream stopped;
 - ``after``: idle generates;
-- then each release in turn, each followed by idle generates: ``wait`` (5 s of nothing: in
-  sessions 15 and 21, idle read at vanilla's speed where another engine's generates came between
-  it and the row streams, so the slowdown may fade with time), ``client`` (this process's fetched
-  files let go: ``gc``, ``shm.settle``), ``worker-shm`` (the worker's kept reply-file mappings and
-  spare dropped and unmapped), ``device-cache`` (``torch.cuda.empty_cache`` in the worker),
-  ``host-cache`` (torch's caching host allocator emptied: the pinned blocks drains were copied
-  into), ``graph-copies`` (every captured graph's copies but the one replays use destroyed).
+- then each release in turn, each followed by idle generates: ``wait`` (5 s of nothing),
+  ``synchronize`` (``torch.cuda.synchronize`` in the worker), ``replays`` (the FULL decode graph
+  replayed alone as launched now, 10 times and then 60 timed), ``client`` (this process's
+  fetched files let go: ``gc``, ``shm.settle``), ``worker-shm`` (the worker's kept reply-file
+  mappings and spare dropped and unmapped), ``device-cache`` (``torch.cuda.empty_cache`` in
+  the worker), ``host-cache`` (torch's caching host allocator emptied: the pinned blocks drains
+  were copied into),
+  ``graph-copies`` (every captured graph's copies but the one replays use destroyed),
+  ``heads-4l`` (one generate capturing another stream, ``heads-4l``, fetched and stopped: in
+  session 15's run, where idle kept vanilla's speed after hidden-4l, heads-4l came between).
 
-Before each event's idle generates, the FULL decode graph is replayed alone in the worker
-(``graph_replay``'s timing): whether the device's work for the same graph got slower, or the
-engine's step starves it; and the worker's device and pinned host allocators' holdings are read. The first release after which idle runs at ``before``'s speed again
-names what lingered; none doing so points at the device (a GPU-side state no release reaches) or
-at the engine's own drift, which ``--rounds 2`` (the whole sequence twice) and ``--beside-vanilla`` (a vanilla engine
+After each event's idle generates, the FULL decode graph is replayed alone in the worker
+(``graph_replay``'s timing: whether the device's work for the same graph got slower, or the
+engine's step starves it), and the worker's device and pinned host allocators' holdings are
+read. The first release after which idle runs at ``before``'s speed again names what lingered;
+none doing so points at the device (a GPU-side state no release reaches) or at the engine's own
+drift, which ``--rounds 2`` (the whole sequence twice) and ``--beside-vanilla`` (a vanilla engine
 in a process of its own, on CPUs 8-11, one generate before each of the capture engine's, as in
-the benchmark, where the slowdown was seen) tell apart. One line per generate (label, tok/s, the
-engine core's main thread ms a step on a CPU, vanilla's tok/s) and a summary: median tok/s per
-label and round against that round's ``before`` (and against vanilla's), in
-``OUT/after_capture.json``.
+the benchmark) tell apart. One line per generate (label, tok/s, the engine core's main thread ms
+a step on a CPU, the graph replays launched from a copy and the idle capture nodes replays ran,
+vanilla's tok/s) and a summary: median tok/s per label and round against that round's
+``before`` (and against vanilla's), in ``OUT/after_capture.json``.
 """
 
 from __future__ import annotations
@@ -59,7 +70,8 @@ from benchmarks.profile_step import (  # noqa: E402
     capture_and_generate, engine_main_thread, quick_decode_engine)
 from benchmarks.run import descendants, pin  # noqa: E402
 
-RELEASES = ("wait", "client", "worker-shm", "device-cache", "host-cache", "graph-copies")
+RELEASES = ("wait", "synchronize", "replays", "client", "worker-shm", "device-cache",
+            "host-cache", "graph-copies", "heads-4l")
 #: Seconds the ``wait`` release waits, doing nothing: a slowdown that fades with time fades here.
 WAIT_S = 5.0
 
@@ -77,6 +89,14 @@ def _release_worker_shm(worker) -> int:
     shm._reap(maps=maps)
     shm.settle()
     return mapped
+
+
+def _synchronize(worker) -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return 1
 
 
 def _empty_device_cache(worker) -> int:
@@ -149,20 +169,40 @@ def _release_client() -> None:
     shm.settle()
 
 
-def release(llm, name: str):
-    """Run release ``name``; what it reports (bytes or counts, by worker)."""
+def release(llm, name: str, tokens: int):
+    """Run release ``name``; what it reports (bytes or counts, by worker). ``tokens``: the
+    decode graph's size, which ``replays`` replays."""
     if name == "wait":
         time.sleep(WAIT_S)
         return None
     try:
         if name == "client":
             return _release_client()
-        fn = {"worker-shm": _release_worker_shm, "device-cache": _empty_device_cache,
-              "host-cache": _empty_host_cache, "graph-copies": _drop_graph_copies}[name]
+        if name == "replays":
+            return llm.collective_rpc(_device_state, kwargs={"tokens": tokens, "replays": 60})
+        fn = {"synchronize": _synchronize, "worker-shm": _release_worker_shm,
+              "device-cache": _empty_device_cache, "host-cache": _empty_host_cache,
+              "graph-copies": _drop_graph_copies}[name]
         return llm.collective_rpc(fn)
     except Exception as exc:  # an older package (PACKAGE_AT) may lack what a release reaches
         print(f"release {name} failed: {exc!r}", flush=True)
         return {"error": repr(exc)}
+
+
+def touch(llm, cap: S.Capture, shape, prompts) -> None:
+    """One small generate of ``cap``'s stream, fetched and stopped: what the benchmark's
+    ``touch_streams`` does once an engine has started."""
+    from vllm import SamplingParams
+
+    from vllm_capture import api
+
+    w = S.Workload("touch", 8, 4, 2)
+    api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
+    llm.generate(prompts.make(w), SamplingParams(max_tokens=w.new_tokens, ignore_eos=True,
+                                                 temperature=0.0, detokenize=False),
+                 use_tqdm=False)
+    api.fetch_captured(llm, cap.stream, clear=True)
+    api.stop_capture(llm, cap.stream)
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -191,6 +231,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--capture", default="hidden-4l", help="a graph scenario of the suite")
     p.add_argument("--idle", type=int, default=4, help="idle generates after each event")
+    p.add_argument("--captures", type=int, default=2, help="capture generates in a row per round")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--in-process", action="store_true")
     p.add_argument("--beside-vanilla", action="store_true",
@@ -224,6 +265,7 @@ def main() -> int:
     for engine in (llm, vanilla):
         if engine is not None:
             engine.generate(prompts.make(w), params, use_tqdm=False)
+    touch(llm, cap, shape, prompts)
     runs: list[dict] = []
     released: dict = {}
     device_state: dict = {}
@@ -232,9 +274,13 @@ def main() -> int:
         state = llm.collective_rpc(_device_state, kwargs={"tokens": w.concurrency})[0]
         device_state[f"{round_}:{label}"] = state
         if state is not None and state["graph"] is not None:
-            print(f"{round_} {label:<14} graph {state['graph']['gpu_us']:.1f} us on the GPU, "
+            print(f"{round_} {label:<16} graph {state['graph']['gpu_us']:.1f} us on the GPU, "
                   f"{state['graph']['host_launch_us']:.1f} us to launch; {state['memory']}",
                   flush=True)
+
+    def replay_counts() -> tuple[int, int]:
+        nodes = api.capture_status(llm, S.HIDDEN).get("graph_nodes") or {}
+        return nodes.get("copy_replays") or 0, nodes.get("idle_nodes_replayed") or 0
 
     def generate(round_: int, label: str, capture=None) -> None:
         if vanilla is not None:
@@ -242,7 +288,9 @@ def main() -> int:
             vanilla.generate(prompts.make(w), params, use_tqdm=False)
             runs.append({"round": round_, "label": label, "engine": "vanilla",
                          "tok_s": w.generated_tokens / (time.perf_counter() - t)})
+        counts = replay_counts()
         gen_s, threads = capture_and_generate(llm, capture, shape, w, params, prompts, engine_pids)
+        copies, idle_nodes = (b - a for a, b in zip(counts, replay_counts()))
         fetch_s = None
         if capture is not None:
             t = time.perf_counter()
@@ -251,26 +299,33 @@ def main() -> int:
             del tensors
             api.stop_capture(llm, capture.stream)
         main = engine_main_thread(threads)
-        m = {"round": round_, "label": label, "engine": "capture", "tok_s": w.generated_tokens / gen_s,
-             "gen_s": gen_s, "fetch_s": fetch_s, "main_on_cpu_ms": main[0] / w.new_tokens}
+        m = {"round": round_, "label": label, "engine": "capture",
+             "tok_s": w.generated_tokens / gen_s, "gen_s": gen_s, "fetch_s": fetch_s,
+             "main_on_cpu_ms": main[0] / w.new_tokens, "copy_replays": copies,
+             "idle_nodes_replayed": idle_nodes}
         runs.append(m)
-        print(f"{round_} {label:<14} {m['tok_s']:>9.0f} tok/s  main {m['main_on_cpu_ms']:.3f} ms/step"
+        print(f"{round_} {label:<16} {m['tok_s']:>9.0f} tok/s"
+              f"  main {m['main_on_cpu_ms']:.3f} ms/step  copies {copies} idle nodes {idle_nodes}"
               + (f"  fetch {fetch_s:.3f} s" if fetch_s is not None else "")
               + (f"  vanilla {runs[-2]['tok_s']:.0f}" if vanilla is not None else ""), flush=True)
 
     for round_ in range(args.rounds):
-        read_device(round_, "before")
         for _ in range(args.idle):
             generate(round_, "before")
-        generate(round_, "capture", cap)
-        read_device(round_, "after")
+        read_device(round_, "before")
+        for _ in range(args.captures):
+            generate(round_, "capture", cap)
         for _ in range(args.idle):
             generate(round_, "after")
+        read_device(round_, "after")
         for name in RELEASES:
-            released[f"{round_}:{name}"] = release(llm, name)
-            read_device(round_, name)
+            if name == "heads-4l":  # another stream's capture, as session 15's reps ran it
+                generate(round_, "heads-4l-capture", S.SCENARIOS["heads-4l"].capture)
+            else:
+                released[f"{round_}:{name}"] = release(llm, name, w.concurrency)
             for _ in range(args.idle):
                 generate(round_, name)
+            read_device(round_, name)
     summary = summarize(runs)
     print(f"{'median tok/s':<16}" + "".join(f"{'round ' + str(r):>20}" for r in summary))
     for label in dict.fromkeys(m["label"] for m in runs):
