@@ -65,10 +65,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
 from benchmarks.profile_step import (  # noqa: E402
     capture_and_generate, engine_main_thread, quick_decode_engine)
-from benchmarks.run import descendants, pin  # noqa: E402
+from benchmarks.run import GpuSampler, Nvml, descendants, pin  # noqa: E402
 
 RELEASES = ("wait", "synchronize", "replays", "client", "worker-shm", "device-cache",
             "host-cache", "graph-copies", "heads-4l")
@@ -139,27 +140,37 @@ def _drop_graph_copies(worker) -> int:
 
 
 def _device_state(worker, tokens: int, replays: int = 50) -> dict | None:
-    """On CUDA (None elsewhere): the FULL decode graph of ``tokens`` tokens replayed back to
-    back, launched as the engine launches it now (from the copy for the sites now on), GPU and
-    host us a replay (None off the V2 runner; between generates its stale inputs write nothing a
-    request reads); and the worker's device allocator (reserved, allocated) and pinned host
-    allocator (held, handed out) in MB."""
+    """On CUDA (None elsewhere): the worker's device allocator (reserved, allocated) and pinned
+    host allocator (held, handed out) in MB; the FULL decode graph of ``tokens`` tokens replayed
+    back to back, launched as the engine launches it now (from the copy for the sites now on),
+    GPU and host us a replay (None off the V2 runner; between generates its stale inputs write
+    nothing a request reads); and, for reference, work of no graph on the same device: a 256 MiB
+    device-to-device copy (memory bound) and a 4096-square bf16 matmul (compute bound), GPU us
+    each. The graph slower and the references not: the graph's own work changed; all slower:
+    the device runs slower for this process (clocks, or work beside it)."""
     import torch
 
     from benchmarks.graph_replay import _time, full_graph_desc, runner_graphs
 
     if not torch.cuda.is_available():
         return None
-    graphs = runner_graphs(worker)
-    desc = None if not graphs else full_graph_desc(graphs, tokens)
     host = torch.cuda.host_memory_stats()
     mb = 1 << 20
-    return {"graph": None if desc is None else _time(graphs[desc].replay, replays,
-                                                     torch.cuda.synchronize),
-            "memory": {"device_reserved_mb": torch.cuda.memory_reserved() // mb,
-                       "device_allocated_mb": torch.cuda.memory_allocated() // mb,
-                       "pinned_held_mb": host.get("allocated_bytes.current", 0) // mb,
-                       "pinned_active_mb": host.get("active_bytes.current", 0) // mb}}
+    memory = {"device_reserved_mb": torch.cuda.memory_reserved() // mb,
+              "device_allocated_mb": torch.cuda.memory_allocated() // mb,
+              "pinned_held_mb": host.get("allocated_bytes.current", 0) // mb,
+              "pinned_active_mb": host.get("active_bytes.current", 0) // mb}
+    graphs = runner_graphs(worker)
+    desc = None if not graphs else full_graph_desc(graphs, tokens)
+    sync = torch.cuda.synchronize
+    graph = None if desc is None else _time(graphs[desc].replay, replays, sync)
+    src = torch.empty(256 * mb, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    square = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    reference = {"copy_256mb": _time(lambda: dst.copy_(src), 20, sync),
+                 "matmul_4096": _time(lambda: square @ square, 20, sync)}
+    del src, dst, square
+    return {"graph": graph, "reference": reference, "memory": memory}
 
 
 def _release_client() -> None:
@@ -203,6 +214,15 @@ def touch(llm, cap: S.Capture, shape, prompts) -> None:
                  use_tqdm=False)
     api.fetch_captured(llm, cap.stream, clear=True)
     api.stop_capture(llm, cap.stream)
+
+
+def _gpu_text(gpu: dict | None) -> str:
+    """A generate's NVML readings (``run.gpu_summary``) for its line; empty without NVML."""
+    if gpu is None:
+        return ""
+    sm, w, rx, tx = (R._f(gpu[k], "{:.0f}") for k in ("sm_mhz", "power_w", "pcie_rx_mb_s",
+                                                      "pcie_tx_mb_s"))
+    return f"  [{sm} MHz {w} W PCIe rx {rx} tx {tx} MB/s reasons {gpu['clock_reasons']:#x}]"
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -256,6 +276,7 @@ def main() -> int:
     engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
     vanilla = quick_decode_engine(args.model, "vanilla-graph")[0] if args.beside_vanilla else None
     cap = S.SCENARIOS[args.capture].capture
+    nvml = Nvml()
     cpus = {}
     if not args.in_process and len(os.sched_getaffinity(0)) >= 12:
         cpus = {"client": [0, 1, 2, 3], "engine": [4, 5, 6, 7], "vanilla": [8, 9, 10, 11]}
@@ -273,10 +294,13 @@ def main() -> int:
     def read_device(round_: int, label: str) -> None:
         state = llm.collective_rpc(_device_state, kwargs={"tokens": w.concurrency})[0]
         device_state[f"{round_}:{label}"] = state
-        if state is not None and state["graph"] is not None:
-            print(f"{round_} {label:<16} graph {state['graph']['gpu_us']:.1f} us on the GPU, "
-                  f"{state['graph']['host_launch_us']:.1f} us to launch; {state['memory']}",
-                  flush=True)
+        if state is not None:
+            graph, ref = state["graph"], state["reference"]
+            print(f"{round_} {label:<16} graph "
+                  + ("-" if graph is None else f"{graph['gpu_us']:.1f} us on the GPU, "
+                     f"{graph['host_launch_us']:.1f} us to launch")
+                  + f"; copy {ref['copy_256mb']['gpu_us']:.1f} us, matmul "
+                  f"{ref['matmul_4096']['gpu_us']:.1f} us; {state['memory']}", flush=True)
 
     def replay_counts() -> tuple[int, int]:
         nodes = api.capture_status(llm, S.HIDDEN).get("graph_nodes") or {}
@@ -284,12 +308,16 @@ def main() -> int:
 
     def generate(round_: int, label: str, capture=None) -> None:
         if vanilla is not None:
-            t = time.perf_counter()
-            vanilla.generate(prompts.make(w), params, use_tqdm=False)
+            with GpuSampler(nvml) as gpu:
+                t = time.perf_counter()
+                vanilla.generate(prompts.make(w), params, use_tqdm=False)
+                gen_s = time.perf_counter() - t
             runs.append({"round": round_, "label": label, "engine": "vanilla",
-                         "tok_s": w.generated_tokens / (time.perf_counter() - t)})
+                         "tok_s": w.generated_tokens / gen_s, "gpu": gpu.summary})
         counts = replay_counts()
-        gen_s, threads = capture_and_generate(llm, capture, shape, w, params, prompts, engine_pids)
+        with GpuSampler(nvml) as gpu:
+            gen_s, threads = capture_and_generate(llm, capture, shape, w, params, prompts,
+                                                  engine_pids)
         copies, idle_nodes = (b - a for a, b in zip(counts, replay_counts()))
         fetch_s = None
         if capture is not None:
@@ -302,12 +330,13 @@ def main() -> int:
         m = {"round": round_, "label": label, "engine": "capture",
              "tok_s": w.generated_tokens / gen_s, "gen_s": gen_s, "fetch_s": fetch_s,
              "main_on_cpu_ms": main[0] / w.new_tokens, "copy_replays": copies,
-             "idle_nodes_replayed": idle_nodes}
+             "idle_nodes_replayed": idle_nodes, "gpu": gpu.summary}
         runs.append(m)
         print(f"{round_} {label:<16} {m['tok_s']:>9.0f} tok/s"
               f"  main {m['main_on_cpu_ms']:.3f} ms/step  copies {copies} idle nodes {idle_nodes}"
-              + (f"  fetch {fetch_s:.3f} s" if fetch_s is not None else "")
-              + (f"  vanilla {runs[-2]['tok_s']:.0f}" if vanilla is not None else ""), flush=True)
+              + (f"  fetch {fetch_s:.3f} s" if fetch_s is not None else "") + _gpu_text(gpu.summary)
+              + (f"  vanilla {runs[-2]['tok_s']:.0f}{_gpu_text(runs[-2]['gpu'])}"
+                 if vanilla is not None else ""), flush=True)
 
     for round_ in range(args.rounds):
         for _ in range(args.idle):

@@ -108,6 +108,20 @@ def threads_ms_per_step(reps: list[dict]) -> dict[str, list[float]]:
             for n in names}
 
 
+def gpu_medians(reps: list[dict]) -> dict | None:
+    """Over the reps that read the GPU (``run.gpu_summary``): each field's median, the clock
+    event reasons seen in any (a bit mask)."""
+    read = [r["gpu"] for r in reps if r.get("gpu")]
+    if not read:
+        return None
+    out = {k: _median([g[k] for g in read]) for k in read[0]
+           if k not in ("clock_reasons", "samples")}
+    reasons = 0
+    for g in read:
+        reasons |= g["clock_reasons"]
+    return {**out, "clock_reasons": reasons}
+
+
 def _by_cpus(reps: list[dict]) -> dict[str, float]:
     """Median generate tok/s per CPU group the reps ran on (``{}`` when not pinned)."""
     by = median_tok_s_by(reps, lambda r: tuple(sorted(r["cpus"])) if r.get("cpus") else None)
@@ -143,6 +157,8 @@ def aggregate(reps: list[dict]) -> dict:
         # By the scenario whose generate ran just before (``{}`` when the measurements do not say).
         "tok_s_by_after": median_tok_s_by(reps, lambda r: r.get("after")),
         "threads_ms_per_step": threads_ms_per_step(reps),
+        # What the GPU ran at during the generates (NVML, sampled on the client's thread).
+        "gpu": gpu_medians(reps),
         "rows": _median(per_rep(lambda r: r.get("rows", 0))),
         "positions": _median(per_rep(lambda r: r.get("positions", 0))),
         "bytes": _median(per_rep(lambda r: r.get("bytes", 0))),
@@ -388,6 +404,24 @@ def _threads_table(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _gpu_table(rows: dict[str, dict]) -> list[str]:
+    """Markdown lines: what the GPU ran at during each scenario's generates (NVML)."""
+    shown = {name: a["gpu"] for name, a in rows.items() if a.get("gpu")}
+    if not shown:
+        return []
+    lines = ["", "The GPU during the generate (NVML, read every 0.1 s; medians over the readings "
+             "and the reps; clock event reasons: the bits seen in any reading):", "",
+             "| scenario | SM MHz | memory MHz | W | C | GPU util % | memory util % "
+             "| PCIe rx MB/s | PCIe tx MB/s | clock event reasons |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, g in shown.items():
+        cells = [_f(g.get(k), "{:.0f}") for k in
+                 ("sm_mhz", "mem_mhz", "power_w", "temp_c", "util_gpu", "util_mem",
+                  "pcie_rx_mb_s", "pcie_tx_mb_s")]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {g['clock_reasons']:#x} |")
+    return lines
+
+
 def _replays_table(rows: dict[str, dict]) -> list[str]:
     """Markdown lines: each capture scenario's graph replays and eager capture forwards a
     generate, the graph launches from a copy without idle sites' capture nodes, and the idle
@@ -478,6 +512,7 @@ def markdown(report: dict) -> str:
             "Median generate tok/s by the scenario that ran just before (a capture's fetch can "
             "slow the next generate, on any engine):")
         lines += _threads_table(rows)
+        lines += _gpu_table(rows)
         lines += _replays_table(rows)
     lines.append("")
     lines.append("## Engines")

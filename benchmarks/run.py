@@ -160,6 +160,36 @@ class Nvml:
         except Exception:
             return None
 
+    def sample(self) -> dict | None:
+        """One reading of what the GPU runs at now (``GPU_FIELDS`` and the clock event reasons;
+        a field NVML cannot read is None), or None without NVML. The PCIe figures are NVML's own
+        20 ms samples, so a reading takes about 40 ms."""
+        if self.nv is None:
+            return None
+        nv, h = self.nv, self.handle
+
+        def read(fn, *args, scale=None):
+            try:
+                value = fn(h, *args)
+            except Exception:  # not supported on this GPU or driver, or not permitted
+                return None
+            return value if scale is None else value / scale
+
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        util = read(nv.nvmlDeviceGetUtilizationRates)
+        return {"sm_mhz": read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_SM),
+                "mem_mhz": read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_MEM),
+                "power_w": read(nv.nvmlDeviceGetPowerUsage, scale=1e3),
+                "temp_c": read(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU),
+                "util_gpu": None if util is None else util.gpu,
+                "util_mem": None if util is None else util.memory,
+                "pcie_rx_mb_s": read(nv.nvmlDeviceGetPcieThroughput, nv.NVML_PCIE_UTIL_RX_BYTES,
+                                     scale=1e3),  # KB/s
+                "pcie_tx_mb_s": read(nv.nvmlDeviceGetPcieThroughput, nv.NVML_PCIE_UTIL_TX_BYTES,
+                                     scale=1e3),
+                "clock_reasons": None if reasons is None else read(reasons)}
+
     def device(self) -> dict:
         if self.nv is None:
             return {"gpu": None, "driver": None, "gpu_memory_bytes": None}
@@ -172,6 +202,56 @@ class Nvml:
                     "gpu_memory_bytes": int(self.nv.nvmlDeviceGetMemoryInfo(self.handle).total)}
         except Exception:
             return {"gpu": None, "driver": None, "gpu_memory_bytes": None}
+
+
+#: What ``Nvml.sample`` reads (medians over a generate's readings; the clock event reasons OR-ed).
+GPU_FIELDS = ("sm_mhz", "mem_mhz", "power_w", "temp_c", "util_gpu", "util_mem", "pcie_rx_mb_s",
+              "pcie_tx_mb_s")
+
+
+def gpu_summary(samples: list[dict]) -> dict | None:
+    """A generate's NVML readings in one record: each field's median, the clock event reasons
+    seen in any reading (a bit mask), and how many readings there were."""
+    if not samples:
+        return None
+    out = {k: R._median([x[k] for x in samples]) for k in GPU_FIELDS}  # None: not read
+    reasons = 0
+    for x in samples:
+        reasons |= int(x["clock_reasons"] or 0)
+    return {**out, "clock_reasons": reasons, "samples": len(samples)}
+
+
+class GpuSampler:
+    """Reads the GPU through NVML on a thread, every ``period_s``, while the block runs; the
+    readings' ``gpu_summary`` in ``summary`` afterwards (None without NVML). Why: an engine whose
+    generates slow while another's on the same GPU do not could run at lower clocks, or beside
+    traffic it does not own (PCIe), which a generate's tok/s alone cannot tell apart."""
+
+    def __init__(self, nvml: Nvml, period_s: float = 0.1):
+        self.nvml, self.period_s = nvml, period_s
+        self.samples: list[dict] = []
+        self.summary: dict | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            reading = self.nvml.sample()
+            if reading is not None:
+                self.samples.append(reading)
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "GpuSampler":
+        if self.nvml.nv is not None:
+            self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.summary = gpu_summary(self.samples)
 
 
 # ---- probe worker: versions and pinned D2H bandwidth ---------------------------------------------
@@ -421,16 +501,18 @@ class EngineRun:
         # client (whose one process serves every engine).
         engine_procs = self.engine_processes(scen.engine)
         threads_before = thread_times(engine_procs), thread_times([os.getpid()])
-        t = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        gen_s = time.perf_counter() - t
+        with GpuSampler(self.nvml) as gpu:
+            t = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            gen_s = time.perf_counter() - t
         threads_after = thread_times(engine_procs), thread_times([os.getpid()])
         rec = {"type": "measure", "workload": w.name, "scenario": scen.name, "rep": rep,
                "gen_s": gen_s, "steps": w.new_tokens,
                "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
                "engine_threads_ms": thread_time_spent(threads_before[0], threads_after[0]),
-               "client_threads_ms": thread_time_spent(threads_before[1], threads_after[1])}
+               "client_threads_ms": thread_time_spent(threads_before[1], threads_after[1]),
+               "gpu": gpu.summary}
         if cap is not None:
             try:
                 rec.update(self.drain(llm, cap, w))

@@ -601,6 +601,75 @@ def test_report_gives_cpu_time_per_step_by_thread():
     assert "CPU ms per step by thread" not in R.markdown(_report(_m("vanilla", 1000.0)))
 
 
+def _reading(sm, rx, reasons=0, **kw):
+    return {"sm_mhz": sm, "mem_mhz": 3200, "power_w": 500.0, "temp_c": 50, "util_gpu": 100,
+            "util_mem": 60, "pcie_rx_mb_s": rx, "pcie_tx_mb_s": 1.0, "clock_reasons": reasons,
+            **kw}
+
+
+def test_gpu_sampler_reads_on_a_thread_until_the_block_ends():
+    from benchmarks.run import GpuSampler
+
+    script = [_reading(1980, 5.0), _reading(1755, 900.0, reasons=0x4), _reading(1980, 7.0, 0x1)]
+
+    class FakeNvml:
+        nv = object()  # NVML present
+        calls = 0
+
+        def sample(self):  # the script, then no reading (NVML failing: nothing kept)
+            self.calls += 1
+            return script[self.calls - 1] if self.calls <= len(script) else None
+
+    nvml = FakeNvml()
+    with GpuSampler(nvml, period_s=0.001) as gpu:
+        deadline = time.time() + 5
+        while nvml.calls < 5 and time.time() < deadline:
+            time.sleep(0.001)
+    calls = nvml.calls
+    time.sleep(0.02)
+    assert nvml.calls == calls  # the thread stopped with the block
+    assert gpu.samples == script
+    assert gpu.summary["sm_mhz"] == 1980 and gpu.summary["pcie_rx_mb_s"] == 7.0
+    assert gpu.summary["clock_reasons"] == 0x5 and gpu.summary["samples"] == 3
+
+    class NoNvml:
+        nv = None
+
+    with GpuSampler(NoNvml()) as none:
+        pass
+    assert none.summary is None and none._thread is None
+
+
+def test_gpu_summary_takes_medians_and_ors_the_clock_reasons():
+    from benchmarks.run import GPU_FIELDS, gpu_summary
+
+    assert gpu_summary([]) is None
+    out = gpu_summary([_reading(1980, 5.0), _reading(1500, 700.0, 0x8), _reading(1900, 9.0, 0x1)])
+    assert out["sm_mhz"] == 1900 and out["pcie_rx_mb_s"] == 9.0 and out["power_w"] == 500.0
+    assert out["clock_reasons"] == 0x9 and out["samples"] == 3
+    assert set(out) == {*GPU_FIELDS, "clock_reasons", "samples"}
+
+
+def test_report_gives_what_the_gpu_ran_at_by_scenario():
+    from benchmarks.run import gpu_summary
+
+    def m(scenario, rep, sm, rx, reasons=0):
+        return _m(scenario, 1000.0, reps=(rep,),
+                  gpu=gpu_summary([_reading(sm, rx, reasons), _reading(sm, rx, reasons)]))
+
+    ms = [*m("vanilla", 0, 1980, 5.0), *m("vanilla", 1, 1970, 6.0),
+          *m("idle", 0, 1980, 5.0), *m("idle", 1, 1700, 800.0, 0x4), *m("idle", 2, 1750, 900.0)]
+    t = R.summarize(ms)["decode-c64"]
+    assert t["idle"]["gpu"]["sm_mhz"] == 1750 and t["idle"]["gpu"]["pcie_rx_mb_s"] == 800.0
+    assert t["idle"]["gpu"]["clock_reasons"] == 0x4
+    assert t["vanilla"]["gpu"]["sm_mhz"] == 1975
+    md = R.markdown(_report(ms))
+    assert "| idle | 1750 | 3200 | 500 | 50 | 100 | 60 | 800 | 1 | 0x4 |" in md
+    assert "| vanilla | 1975 | 3200 | 500 | 50 | 100 | 60 | 6 | 1 | 0x0 |" in md
+    # Runs without NVML readings: no table.
+    assert "The GPU during the generate" not in R.markdown(_report(_m("vanilla", 1000.0)))
+
+
 @pytest.mark.parametrize("settle", [False, True])
 def test_settle_waits_for_the_clients_reapers_outside_the_fetch_time(tmp_path, monkeypatch, settle):
     """``run.py --settle``: after the fetch, the client's and the worker's threads that let go of
@@ -1008,6 +1077,45 @@ def test_print_phase_table_lists_each_cases_difference_from_idle(capsys):
     assert lines[0].split() == ["phase", "(ms/step)", "idle", "hidden-last"]
     assert lines[1].split() == ["step", "3.3800", "+0.1110"]
     assert lines[2].split() == ["schedule", "0.7200", "+0.0120"]
+
+
+def test_after_capture_line_gives_the_gpus_readings():
+    from benchmarks.after_capture import _gpu_text
+    from benchmarks.run import gpu_summary
+
+    assert _gpu_text(None) == ""
+    assert _gpu_text(gpu_summary([_reading(1980, 812.4, 0x4)])) == (
+        "  [1980 MHz 500 W PCIe rx 812 tx 1 MB/s reasons 0x4]")
+    assert _gpu_text(gpu_summary([_reading(1980, None)])) == (  # a field NVML could not read
+        "  [1980 MHz 500 W PCIe rx - tx 1 MB/s reasons 0x0]")
+
+
+def test_nvml_sample_reads_each_field_and_leaves_out_what_fails():
+    import types
+
+    from benchmarks.run import Nvml
+
+    def unsupported(*args):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    nv = types.SimpleNamespace(
+        NVML_CLOCK_SM=0, NVML_CLOCK_MEM=1, NVML_TEMPERATURE_GPU=0, NVML_PCIE_UTIL_TX_BYTES=0,
+        NVML_PCIE_UTIL_RX_BYTES=1,
+        nvmlDeviceGetClockInfo=lambda h, clock: {0: 1980, 1: 3201}[clock],
+        nvmlDeviceGetPowerUsage=lambda h: 512_000,  # mW
+        nvmlDeviceGetTemperature=lambda h, sensor: 48,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=97, memory=55),
+        nvmlDeviceGetPcieThroughput=lambda h, c: 1500 if c else unsupported(),  # KB/s
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x4)
+    nvml = Nvml.__new__(Nvml)
+    nvml.nv, nvml.handle = nv, object()
+    assert nvml.sample() == {"sm_mhz": 1980, "mem_mhz": 3201, "power_w": 512.0, "temp_c": 48,
+                             "util_gpu": 97, "util_mem": 55, "pcie_rx_mb_s": 1.5,
+                             "pcie_tx_mb_s": None, "clock_reasons": 0x4}
+    nv.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 0x1  # the newer name, where present
+    assert nvml.sample()["clock_reasons"] == 0x1
+    nvml.nv = None
+    assert nvml.sample() is None
 
 
 def test_after_capture_summary_reads_each_label_against_before_and_vanilla():
