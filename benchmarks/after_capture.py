@@ -32,10 +32,10 @@ through, per round:
   fetched files let go: ``gc``, ``shm.settle``), ``worker-shm`` (the worker's kept reply-file
   mappings and spare dropped and unmapped), ``device-cache`` (``torch.cuda.empty_cache`` in
   the worker), ``host-cache`` (torch's caching host allocator emptied: the pinned blocks drains
-  were copied into),
-  ``graph-copies`` (every captured graph's copies but the one replays use destroyed),
-  ``heads-4l`` (one generate capturing another stream, ``heads-4l``, fetched and stopped: in
-  session 15's run, where idle kept vanilla's speed after hidden-4l, heads-4l came between).
+  were copied into), ``graph-copies`` (every captured graph's copies but the one replays use
+  destroyed), ``heads-4l`` (one generate capturing another stream, ``heads-4l``, fetched and
+  stopped: in session 15's run, where idle kept vanilla's speed after hidden-4l, heads-4l came
+  between).
 
 After each event's idle generates, the FULL decode graph is replayed alone in the worker
 (``graph_replay``'s timing: whether the device's work for the same graph got slower, or the
@@ -200,18 +200,17 @@ def release(llm, name: str, tokens: int):
         return {"error": repr(exc)}
 
 
-def touch(llm, cap: S.Capture, shape, prompts) -> None:
+def touch(llm, cap: S.Capture, shape, params, prompts) -> None:
     """One small generate of ``cap``'s stream, fetched and stopped: what the benchmark's
-    ``touch_streams`` does once an engine has started."""
-    from vllm import SamplingParams
-
+    ``touch_streams`` does once an engine has started (``params``: the workload's, whose token
+    count this generate's own replaces)."""
     from vllm_capture import api
 
     w = S.Workload("touch", 8, 4, 2)
+    small = params.clone()
+    small.max_tokens = w.new_tokens
     api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
-    llm.generate(prompts.make(w), SamplingParams(max_tokens=w.new_tokens, ignore_eos=True,
-                                                 temperature=0.0, detokenize=False),
-                 use_tqdm=False)
+    llm.generate(prompts.make(w), small, use_tqdm=False)
     api.fetch_captured(llm, cap.stream, clear=True)
     api.stop_capture(llm, cap.stream)
 
@@ -286,7 +285,7 @@ def main() -> int:
     for engine in (llm, vanilla):
         if engine is not None:
             engine.generate(prompts.make(w), params, use_tqdm=False)
-    touch(llm, cap, shape, prompts)
+    touch(llm, cap, shape, params, prompts)
     runs: list[dict] = []
     released: dict = {}
     device_state: dict = {}
