@@ -247,6 +247,8 @@ PY
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
       --scenarios vanilla,vanilla-b,idle --reps ${2:-12} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
       --out "$OUT" 2>&1 | tail -n 8
+    # Its generates in order, with the GPU's NVML readings: the first idle against the later ones.
+    python3 benchmarks/sequence.py "$(ls -d "$OUT"/results/*-full-8b | tail -1)"
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi

@@ -1079,6 +1079,28 @@ def test_print_phase_table_lists_each_cases_difference_from_idle(capsys):
     assert lines[2].split() == ["schedule", "0.7200", "+0.0120"]
 
 
+def test_sequence_lists_generates_in_run_order_against_the_baselines_median():
+    from benchmarks.run import gpu_summary
+    from benchmarks.sequence import sequence_lines
+
+    ms = [*_m("idle", 1000.0, reps=(0,), cpus=[4, 5, 6, 7], copy_replays=287,
+              idle_nodes_replayed=0, gpu=gpu_summary([_reading(1980, 5.0, 0x1)])),
+          *_m("vanilla", 1000.0, reps=(0,), cpus=[8, 9, 10, 11]),
+          *_m("vanilla", 1020.0, reps=(1,)), *_m("idle", 975.0, reps=(1,)),
+          *_m("vanilla", 900.0, reps=(0,), workload="prefill-c64")]
+    lines = sequence_lines(ms)
+    assert lines[0] == "decode-c64: generates in run order; ratio to vanilla's median (1010 tok/s)"
+    rows = [line.split() for line in lines[2:]]
+    assert [r[:5] for r in rows] == [["0", "idle", "0", "4-7", "1000"],
+                                     ["1", "vanilla", "0", "8-11", "1000"],
+                                     ["2", "vanilla", "1", "-", "1020"],
+                                     ["3", "idle", "1", "-", "975"]]
+    assert rows[0][5:] == ["0.990", "287", "0", "1980", "500", "5", "1", "0x1"]
+    assert rows[3][5:] == ["0.965", "-", "-", "-", "-", "-", "-", "-"]
+    assert len(sequence_lines(ms, "prefill-c64")) == 3
+    assert sequence_lines([]) == []
+
+
 def test_after_capture_line_gives_the_gpus_readings():
     from benchmarks.after_capture import _gpu_text
     from benchmarks.run import gpu_summary
