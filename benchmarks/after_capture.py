@@ -15,8 +15,8 @@ work or starves it. Session 24's first run of this script did not reproduce it: 
 each event's idle generates, the FULL decode graph was replayed 60 times in the worker and the
 device synchronized (a probe the benchmark never runs), and the probe right after the capture read
 the graph 2.7% slower (5,697 against 5,549 us), the idle generates after it at full speed. So the
-probe now runs after each event's generates, and releases ``synchronize`` and ``replays`` (the
-probe itself) come before the others.
+probe no longer runs between the capture and the idle generates after it; releases
+``synchronize`` and ``replays`` (the probe itself) come right after ``wait``.
 
 One capture engine, as the benchmark runs it (engine core forked, on CPUs 4-7, this client on
 0-3, one small capture of the same stream first, as the benchmark's ``touch_streams``), goes
@@ -27,8 +27,8 @@ through, per round:
   first two), each fetched (rows dropped at once, as the benchmark does), the stream stopped;
 - ``after``: idle generates;
 - then each release in turn, each followed by idle generates: ``wait`` (5 s of nothing),
-  ``synchronize`` (``torch.cuda.synchronize`` in the worker), ``replays`` (the FULL decode graph
-  replayed alone as launched now, 10 times and then 60 timed), ``client`` (this process's
+  ``synchronize`` (``torch.cuda.synchronize`` in the worker), ``replays`` (the probe below: the
+  FULL decode graph replayed alone as launched now, then a synchronize), ``client`` (this process's
   fetched files let go: ``gc``, ``shm.settle``), ``worker-shm`` (the worker's kept reply-file
   mappings and spare dropped and unmapped), ``device-cache`` (``torch.cuda.empty_cache`` in
   the worker), ``host-cache`` (torch's caching host allocator emptied: the pinned blocks drains
@@ -37,16 +37,21 @@ through, per round:
   stopped: in session 15's run, where idle kept vanilla's speed after hidden-4l, heads-4l came
   between).
 
-After each event's idle generates, the FULL decode graph is replayed alone in the worker
+The probe: the FULL decode graph replayed alone in the worker, 10 times and then 50 timed
 (``graph_replay``'s timing: whether the device's work for the same graph got slower, or the
-engine's step starves it), and the worker's device and pinned host allocators' holdings are
-read. The first release after which idle runs at ``before``'s speed again names what lingered;
-none doing so points at the device (a GPU-side state no release reaches) or at the engine's own
-drift, which ``--rounds 2`` (the whole sequence twice) and ``--beside-vanilla`` (a vanilla engine
-in a process of its own, on CPUs 8-11, one generate before each of the capture engine's, as in
-the benchmark) tell apart. One line per generate (label, tok/s, the engine core's main thread ms
-a step on a CPU, the graph replays launched from a copy and the idle capture nodes replays ran,
-vanilla's tok/s) and a summary: median tok/s per label and round against that round's
+engine's step starves it), a device copy and a matmul timed beside it, and the worker's device
+and pinned host allocators' holdings read. It runs as the ``replays`` release and after the idle
+generates of every event from then on (``before`` of the later rounds included), never between
+a capture and the releases before ``replays``, nor before the first round's capture (session 24's
+first run read 5,542-5,562 us a replay of the 8B's graph at rest). The first release after which
+idle runs at ``before``'s speed again names what lingered; none doing so points at the device (a
+GPU-side state no release reaches) or at the engine's own drift, which ``--rounds 2`` (the whole
+sequence twice) and ``--beside-vanilla`` (a vanilla engine in a process of its own, on CPUs
+8-11, one generate before each of the capture engine's, as in the benchmark) tell apart.
+
+One line per generate (label, tok/s, the engine core's main thread ms a step on a CPU, the graph
+replays launched from a copy and the idle capture nodes replays ran, NVML's readings, vanilla's
+tok/s and readings) and a summary: median tok/s per label and round against that round's
 ``before`` (and against vanilla's), in ``OUT/after_capture.json``.
 """
 
@@ -180,17 +185,15 @@ def _release_client() -> None:
     shm.settle()
 
 
-def release(llm, name: str, tokens: int):
-    """Run release ``name``; what it reports (bytes or counts, by worker). ``tokens``: the
-    decode graph's size, which ``replays`` replays."""
+def release(llm, name: str):
+    """Run release ``name`` (all but ``replays``, the probe, and ``heads-4l``, a capture); what
+    it reports (bytes or counts, by worker)."""
     if name == "wait":
         time.sleep(WAIT_S)
         return None
     try:
         if name == "client":
             return _release_client()
-        if name == "replays":
-            return llm.collective_rpc(_device_state, kwargs={"tokens": tokens, "replays": 60})
         fn = {"synchronize": _synchronize, "worker-shm": _release_worker_shm,
               "device-cache": _empty_device_cache, "host-cache": _empty_host_cache,
               "graph-copies": _drop_graph_copies}[name]
@@ -340,20 +343,27 @@ def main() -> int:
     for round_ in range(args.rounds):
         for _ in range(args.idle):
             generate(round_, "before")
-        read_device(round_, "before")
+        if round_ > 0:  # the first round's capture meets the engine as the benchmark's does
+            read_device(round_, "before")
         for _ in range(args.captures):
             generate(round_, "capture", cap)
         for _ in range(args.idle):
             generate(round_, "after")
-        read_device(round_, "after")
+        # No probe before the ``replays`` release, which is the probe: its replays and its
+        # synchronize may themselves end a slow state (as in session 24's first run).
+        probed = False
         for name in RELEASES:
             if name == "heads-4l":  # another stream's capture, as session 15's reps ran it
                 generate(round_, "heads-4l-capture", S.SCENARIOS["heads-4l"].capture)
+            elif name == "replays":
+                read_device(round_, name)
+                probed = True
             else:
-                released[f"{round_}:{name}"] = release(llm, name, w.concurrency)
+                released[f"{round_}:{name}"] = release(llm, name)
             for _ in range(args.idle):
                 generate(round_, name)
-            read_device(round_, name)
+            if probed:
+                read_device(round_, name)
     summary = summarize(runs)
     print(f"{'median tok/s':<16}" + "".join(f"{'round ' + str(r):>20}" for r in summary))
     for label in dict.fromkeys(m["label"] for m in runs):
