@@ -248,7 +248,8 @@ PY
       --scenarios vanilla,vanilla-b,idle --reps ${2:-12} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
       --out "$OUT" 2>&1 | tail -n 8
     # Its generates in order, with the GPU's NVML readings: the first idle against the later ones.
-    python3 benchmarks/sequence.py "$(ls -d "$OUT"/results/*-full-8b | tail -1)"
+    RUN_DIR=$(ls -d "$OUT"/results/*-full-8b 2>/dev/null | tail -1)
+    [ -n "$RUN_DIR" ] && python3 benchmarks/sequence.py "$RUN_DIR"
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi
