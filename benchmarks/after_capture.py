@@ -74,7 +74,8 @@ from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
 from benchmarks.profile_step import (  # noqa: E402
     capture_and_generate, engine_main_thread, quick_decode_engine)
-from benchmarks.run import GpuSampler, Nvml, descendants, pin  # noqa: E402
+from benchmarks.run import (  # noqa: E402
+    TOUCH, GpuSampler, Nvml, descendants, pin, touch_capture)
 
 RELEASES = ("wait", "synchronize", "replays", "client", "worker-shm", "device-cache",
             "host-cache", "graph-copies", "heads-4l")
@@ -203,23 +204,8 @@ def release(llm, name: str):
         return {"error": repr(exc)}
 
 
-def touch(llm, cap: S.Capture, shape, params, prompts) -> None:
-    """One small generate of ``cap``'s stream, fetched and stopped: what the benchmark's
-    ``touch_streams`` does once an engine has started (``params``: the workload's, whose token
-    count this generate's own replaces)."""
-    from vllm_capture import api
-
-    w = S.Workload("touch", 8, 4, 2)
-    small = params.clone()
-    small.max_tokens = w.new_tokens
-    api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
-    llm.generate(prompts.make(w), small, use_tqdm=False)
-    api.fetch_captured(llm, cap.stream, clear=True)
-    api.stop_capture(llm, cap.stream)
-
-
 def _gpu_text(gpu: dict | None) -> str:
-    """A generate's NVML readings (``run.gpu_summary``) for its line; empty without NVML."""
+    """A generate's NVML readings (``report.gpu_summary``) for its line; empty without NVML."""
     if gpu is None:
         return ""
     sm, w, rx, tx = (R._f(gpu[k], "{:.0f}") for k in ("sm_mhz", "power_w", "pcie_rx_mb_s",
@@ -288,7 +274,10 @@ def main() -> int:
     for engine in (llm, vanilla):
         if engine is not None:
             engine.generate(prompts.make(w), params, use_tqdm=False)
-    touch(llm, cap, shape, params, prompts)
+    small = params.clone()  # the benchmark's touch: its own token count
+    small.max_tokens = TOUCH.new_tokens
+    touch_capture(api, llm, cap, shape, prompts, small)
+    api.stop_capture(llm, cap.stream)
     runs: list[dict] = []
     released: dict = {}
     device_state: dict = {}

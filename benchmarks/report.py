@@ -108,18 +108,22 @@ def threads_ms_per_step(reps: list[dict]) -> dict[str, list[float]]:
             for n in names}
 
 
-def gpu_medians(reps: list[dict]) -> dict | None:
-    """Over the reps that read the GPU (``run.gpu_summary``): each field's median, the clock
-    event reasons seen in any (a bit mask)."""
-    read = [r["gpu"] for r in reps if r.get("gpu")]
-    if not read:
+#: What ``run.Nvml.sample`` reads (medians over readings; the clock event reasons OR-ed).
+GPU_FIELDS = ("sm_mhz", "mem_mhz", "power_w", "temp_c", "util_gpu", "util_mem", "pcie_rx_mb_s",
+              "pcie_tx_mb_s")
+
+
+def gpu_summary(readings: list[dict]) -> dict | None:
+    """NVML readings in one record: each field's median (None where none read it), the clock
+    event reasons seen in any (a bit mask), and how many readings there were. Over a generate's
+    readings (``run.GpuSampler``), then over the reps' records (``aggregate``)."""
+    if not readings:
         return None
-    out = {k: _median([g[k] for g in read]) for k in read[0]
-           if k not in ("clock_reasons", "samples")}
+    out = {k: _median([x[k] for x in readings]) for k in GPU_FIELDS}
     reasons = 0
-    for g in read:
-        reasons |= g["clock_reasons"]
-    return {**out, "clock_reasons": reasons}
+    for x in readings:
+        reasons |= int(x["clock_reasons"] or 0)
+    return {**out, "clock_reasons": reasons, "samples": len(readings)}
 
 
 def _by_cpus(reps: list[dict]) -> dict[str, float]:
@@ -157,8 +161,9 @@ def aggregate(reps: list[dict]) -> dict:
         # By the scenario whose generate ran just before (``{}`` when the measurements do not say).
         "tok_s_by_after": median_tok_s_by(reps, lambda r: r.get("after")),
         "threads_ms_per_step": threads_ms_per_step(reps),
-        # What the GPU ran at during the generates (NVML, sampled on the client's thread).
-        "gpu": gpu_medians(reps),
+        # What the GPU ran at during the generates (NVML, sampled on the client's thread); its
+        # ``samples``: the reps that read it.
+        "gpu": gpu_summary([r["gpu"] for r in reps if r.get("gpu")]),
         "rows": _median(per_rep(lambda r: r.get("rows", 0))),
         "positions": _median(per_rep(lambda r: r.get("positions", 0))),
         "bytes": _median(per_rep(lambda r: r.get("bytes", 0))),

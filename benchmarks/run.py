@@ -161,9 +161,9 @@ class Nvml:
             return None
 
     def sample(self) -> dict | None:
-        """One reading of what the GPU runs at now (``GPU_FIELDS`` and the clock event reasons;
-        a field NVML cannot read is None), or None without NVML. The PCIe figures are NVML's own
-        20 ms samples, so a reading takes about 40 ms."""
+        """One reading of what the GPU runs at now (``report.GPU_FIELDS`` and the clock event
+        reasons; a field NVML cannot read is None), or None without NVML. The PCIe figures are
+        NVML's own 20 ms samples, so a reading takes about 40 ms."""
         if self.nv is None:
             return None
         nv, h = self.nv, self.handle
@@ -204,26 +204,9 @@ class Nvml:
             return {"gpu": None, "driver": None, "gpu_memory_bytes": None}
 
 
-#: What ``Nvml.sample`` reads (medians over a generate's readings; the clock event reasons OR-ed).
-GPU_FIELDS = ("sm_mhz", "mem_mhz", "power_w", "temp_c", "util_gpu", "util_mem", "pcie_rx_mb_s",
-              "pcie_tx_mb_s")
-
-
-def gpu_summary(samples: list[dict]) -> dict | None:
-    """A generate's NVML readings in one record: each field's median, the clock event reasons
-    seen in any reading (a bit mask), and how many readings there were."""
-    if not samples:
-        return None
-    out = {k: R._median([x[k] for x in samples]) for k in GPU_FIELDS}  # None: not read
-    reasons = 0
-    for x in samples:
-        reasons |= int(x["clock_reasons"] or 0)
-    return {**out, "clock_reasons": reasons, "samples": len(samples)}
-
-
 class GpuSampler:
     """Reads the GPU through NVML on a thread, every ``period_s``, while the block runs; the
-    readings' ``gpu_summary`` in ``summary`` afterwards (None without NVML). Why: an engine whose
+    readings' ``report.gpu_summary`` in ``summary`` afterwards (None without NVML). Why: an engine whose
     generates slow while another's on the same GPU do not could run at lower clocks, or beside
     traffic it does not own (PCIe), which a generate's tok/s alone cannot tell apart."""
 
@@ -251,7 +234,7 @@ class GpuSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.summary = gpu_summary(self.samples)
+        self.summary = R.gpu_summary(self.samples)
 
 
 # ---- probe worker: versions and pinned D2H bandwidth ---------------------------------------------
@@ -299,6 +282,19 @@ def measure_d2h(sizes_mib=(64, 256, 1024), reps: int = 5) -> dict:
 
 
 # ---- engine worker ------------------------------------------------------------------------------
+
+#: The small generate that first enables a capture on a fresh engine (``touch_capture``).
+TOUCH = S.Workload("touch", 8, 4, 2)
+
+
+def touch_capture(api, llm, cap: S.Capture, shape: S.ModelShape, prompts, params) -> None:
+    """Start ``cap``'s stream, run ``TOUCH``'s small generate (``params``: its sampling) and
+    fetch its rows; the caller stops the stream. What the benchmark does once an engine has
+    started, so that a capture's first-use costs leave the timed reps."""
+    api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
+    llm.generate(prompts.make(TOUCH), params, use_tqdm=False)
+    api.fetch_captured(llm, cap.stream, clear=True)
+
 
 class Prompts:
     """Fresh random token-id prompts for every generate, so the prefix cache never hits."""
@@ -424,7 +420,6 @@ class EngineRun:
     def touch_streams(self, engine: str) -> None:
         """Enable each capture of the plan once on a small generate: first-use costs leave the
         timed reps, and a capture the model cannot serve is found (and skipped) here."""
-        w = S.Workload("touch", 8, 4, 2)
         llm = self.llms[engine]
         for cap in {s.capture for _, scens in self.plan for s in scens
                     if s.capture and s.engine == engine}:
@@ -433,10 +428,7 @@ class EngineRun:
                 self.unavailable[key] = f"{cap.stream} is not instrumented on this model"
                 continue
             try:
-                self.api.start_capture(llm, cap.stream, layers=cap.layer_ids(self.shape),
-                                       reduce=cap.reduce)
-                llm.generate(self.prompts.make(w), self.params(w), use_tqdm=False)
-                self.api.fetch_captured(llm, cap.stream, clear=True)
+                touch_capture(self.api, llm, cap, self.shape, self.prompts, self.params(TOUCH))
             except Exception as exc:  # noqa: BLE001 - reported per scenario, the rest goes on
                 self.unavailable[key] = f"start/fetch failed: {exc!r}"[:500]
             finally:

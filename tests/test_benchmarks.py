@@ -641,7 +641,7 @@ def test_gpu_sampler_reads_on_a_thread_until_the_block_ends():
 
 
 def test_gpu_summary_takes_medians_and_ors_the_clock_reasons():
-    from benchmarks.run import GPU_FIELDS, gpu_summary
+    from benchmarks.report import GPU_FIELDS, gpu_summary
 
     assert gpu_summary([]) is None
     out = gpu_summary([_reading(1980, 5.0), _reading(1500, 700.0, 0x8), _reading(1900, 9.0, 0x1)])
@@ -651,7 +651,7 @@ def test_gpu_summary_takes_medians_and_ors_the_clock_reasons():
 
 
 def test_report_gives_what_the_gpu_ran_at_by_scenario():
-    from benchmarks.run import gpu_summary
+    from benchmarks.report import gpu_summary
 
     def m(scenario, rep, sm, rx, reasons=0):
         return _m(scenario, 1000.0, reps=(rep,),
@@ -1080,7 +1080,7 @@ def test_print_phase_table_lists_each_cases_difference_from_idle(capsys):
 
 
 def test_sequence_lists_generates_in_run_order_against_the_baselines_median():
-    from benchmarks.run import gpu_summary
+    from benchmarks.report import gpu_summary
     from benchmarks.sequence import sequence_lines
 
     ms = [*_m("idle", 1000.0, reps=(0,), cpus=[4, 5, 6, 7], copy_replays=287,
@@ -1103,7 +1103,7 @@ def test_sequence_lists_generates_in_run_order_against_the_baselines_median():
 
 def test_after_capture_line_gives_the_gpus_readings():
     from benchmarks.after_capture import _gpu_text
-    from benchmarks.run import gpu_summary
+    from benchmarks.report import gpu_summary
 
     assert _gpu_text(None) == ""
     assert _gpu_text(gpu_summary([_reading(1980, 812.4, 0x4)])) == (
