@@ -4,6 +4,7 @@ each way of letting go of what it held.
 
     python3 benchmarks/after_capture.py --model 8b --out /tmp/out [--capture hidden-4l]
         [--idle 4] [--captures 2] [--rounds 2] [--beside-vanilla | --in-process]
+        [--suite quick|full] [--releases wait,synchronize,...]
 
 Why: on the H200 (8B, decode-c64) the benchmark's idle capture engine runs at vanilla's speed
 until its first full hidden-4l generate, then about 2.5% slower in every idle generate after it
@@ -49,16 +50,21 @@ GPU-side state no release reaches) or at the engine's own drift, which ``--round
 sequence twice) and ``--beside-vanilla`` (a vanilla engine in a process of its own, on CPUs
 8-11, one generate before each of the capture engine's, as in the benchmark) tell apart.
 
+Session 25 ran this form with the quick suite's engines and with the full suite's (``--suite
+full``, the benchmark's engine settings: 256 sequences, model length 2304, 1,667 graphs): idle kept its
+speed after the captures in both, while the benchmark slowed the same hour; ``run.py
+--release-after-capture`` and ``--probe-graphs`` take the releases and the probe into the
+benchmark itself (``engine_state.py`` holds both).
+
 One line per generate (label, tok/s, the engine core's main thread ms a step on a CPU, the graph
-replays launched from a copy and the idle capture nodes replays ran, NVML's readings, vanilla's
-tok/s and readings) and a summary: median tok/s per label and round against that round's
+replays launched from a copy and the idle capture nodes replays ran, the graphs the registry holds
+and the copies held, NVML's readings, vanilla's tok/s and readings) and a summary: median tok/s per label and round against that round's
 ``before`` (and against vanilla's), in ``OUT/after_capture.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -70,6 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import engine_state as E  # noqa: E402
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
 from benchmarks.profile_step import (  # noqa: E402
@@ -79,130 +86,6 @@ from benchmarks.run import (  # noqa: E402
 
 RELEASES = ("wait", "synchronize", "replays", "client", "worker-shm", "device-cache",
             "host-cache", "graph-copies", "heads-4l")
-#: Seconds the ``wait`` release waits, doing nothing: a slowdown that fades with time fades here.
-WAIT_S = 5.0
-
-
-# ---- releases in the engine's worker (sent by collective_rpc as pickled functions) ----------
-
-def _release_worker_shm(worker) -> int:
-    """Drop the worker's spare and close its kept reply-file mappings; the bytes they mapped."""
-    from vllm_capture.session import shm
-
-    shm.drop_spare()
-    maps = list(shm._kept.values())
-    mapped = sum(len(m) for m in maps)
-    shm._kept.clear()
-    shm._reap(maps=maps)
-    shm.settle()
-    return mapped
-
-
-def _synchronize(worker) -> int:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return 1
-
-
-def _empty_device_cache(worker) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
-    torch.cuda.empty_cache()
-    return reserved - torch.cuda.memory_reserved()
-
-
-def _empty_host_cache(worker) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    torch.cuda.synchronize()
-    torch._C._host_emptyCache()
-    return 1
-
-
-def _drop_graph_copies(worker) -> int:
-    """Destroy every graph copy but the one its graph's replays use; how many."""
-    from vllm_capture.engine.worker_ext import SESSION_ATTR
-
-    session = getattr(worker, SESSION_ATTR, None)
-    nodes = None if session is None or session.graph_state is None else session.graph_state.nodes
-    if nodes is None or nodes.driver is None:
-        return 0
-    dropped = 0
-    for entry in list(nodes._graphs.values()):
-        for key, graph_exec in list(entry.variants.items()):
-            if graph_exec != entry.use:
-                nodes.driver.destroy_exec(graph_exec)
-                del entry.variants[key]
-                dropped += 1
-    return dropped
-
-
-def _device_state(worker, tokens: int, replays: int = 50) -> dict | None:
-    """On CUDA (None elsewhere): the worker's device allocator (reserved, allocated) and pinned
-    host allocator (held, handed out) in MB; the FULL decode graph of ``tokens`` tokens replayed
-    back to back, launched as the engine launches it now (from the copy for the sites now on),
-    GPU and host us a replay (None off the V2 runner; between generates its stale inputs write
-    nothing a request reads); and, for reference, work of no graph on the same device: a 256 MiB
-    device-to-device copy (memory bound) and a 4096-square bf16 matmul (compute bound), GPU us
-    each. The graph slower and the references not: the graph's own work changed; all slower:
-    the device runs slower for this process (clocks, or work beside it)."""
-    import torch
-
-    from benchmarks.graph_replay import _time, full_graph_desc, runner_graphs
-
-    if not torch.cuda.is_available():
-        return None
-    host = torch.cuda.host_memory_stats()
-    mb = 1 << 20
-    memory = {"device_reserved_mb": torch.cuda.memory_reserved() // mb,
-              "device_allocated_mb": torch.cuda.memory_allocated() // mb,
-              "pinned_held_mb": host.get("allocated_bytes.current", 0) // mb,
-              "pinned_active_mb": host.get("active_bytes.current", 0) // mb}
-    graphs = runner_graphs(worker)
-    desc = None if not graphs else full_graph_desc(graphs, tokens)
-    sync = torch.cuda.synchronize
-    graph = None if desc is None else _time(graphs[desc].replay, replays, sync)
-    src = torch.empty(256 * mb, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    square = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
-    reference = {"copy_256mb": _time(lambda: dst.copy_(src), 20, sync),
-                 "matmul_4096": _time(lambda: square @ square, 20, sync)}
-    del src, dst, square
-    return {"graph": graph, "reference": reference, "memory": memory}
-
-
-def _release_client() -> None:
-    from vllm_capture.session import shm
-
-    gc.collect()
-    shm.settle()
-
-
-def release(llm, name: str):
-    """Run release ``name`` (all but ``replays``, the probe, and ``heads-4l``, a capture); what
-    it reports (bytes or counts, by worker)."""
-    if name == "wait":
-        time.sleep(WAIT_S)
-        return None
-    try:
-        if name == "client":
-            return _release_client()
-        fn = {"synchronize": _synchronize, "worker-shm": _release_worker_shm,
-              "device-cache": _empty_device_cache, "host-cache": _empty_host_cache,
-              "graph-copies": _drop_graph_copies}[name]
-        return llm.collective_rpc(fn)
-    except Exception as exc:  # an older package (PACKAGE_AT) may lack what a release reaches
-        print(f"release {name} failed: {exc!r}", flush=True)
-        return {"error": repr(exc)}
-
 
 def _gpu_text(gpu: dict | None) -> str:
     """A generate's NVML readings (``report.gpu_summary``) for its line; empty without NVML."""
@@ -241,6 +124,11 @@ def main() -> int:
     p.add_argument("--idle", type=int, default=4, help="idle generates after each event")
     p.add_argument("--captures", type=int, default=2, help="capture generates in a row per round")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--suite", default="quick", choices=("quick", "full"),
+                   help="whose engine settings: the full suite's (bench-8b-idle's: 256 "
+                        "sequences, model length 2304) or the quick suite's (64 and 512)")
+    p.add_argument("--releases", default=",".join(RELEASES),
+                   help=f"which releases, in this order (default: all, {','.join(RELEASES)})")
     p.add_argument("--in-process", action="store_true")
     p.add_argument("--beside-vanilla", action="store_true",
                    help="a vanilla engine beside it, as in the benchmark, one of its generates "
@@ -252,6 +140,9 @@ def main() -> int:
     if args.capture not in S.SCENARIOS or S.SCENARIOS[args.capture].capture is None:
         p.error(f"--capture: a capture scenario, one of "
                 f"{', '.join(k for k, v in S.SCENARIOS.items() if v.capture)}")
+    releases = args.releases.split(",") if args.releases else []
+    if set(releases) - set(RELEASES):
+        p.error(f"--releases: unknown {', '.join(sorted(set(releases) - set(RELEASES)))}")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -260,9 +151,9 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
+    llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph", args.suite)
     engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
-    vanilla = quick_decode_engine(args.model, "vanilla-graph")[0] if args.beside_vanilla else None
+    vanilla = quick_decode_engine(args.model, "vanilla-graph", args.suite)[0] if args.beside_vanilla else None
     cap = S.SCENARIOS[args.capture].capture
     nvml = Nvml()
     cpus = {}
@@ -283,7 +174,7 @@ def main() -> int:
     device_state: dict = {}
 
     def read_device(round_: int, label: str) -> None:
-        state = llm.collective_rpc(_device_state, kwargs={"tokens": w.concurrency})[0]
+        state = llm.collective_rpc(E.device_state, kwargs={"tokens": w.concurrency})[0]
         device_state[f"{round_}:{label}"] = state
         if state is not None:
             graph, ref = state["graph"], state["reference"]
@@ -293,8 +184,10 @@ def main() -> int:
                   + f"; copy {ref['copy_256mb']['gpu_us']:.1f} us, matmul "
                   f"{ref['matmul_4096']['gpu_us']:.1f} us; {state['memory']}", flush=True)
 
-    def replay_counts() -> tuple[int, int]:
-        nodes = api.capture_status(llm, S.HIDDEN).get("graph_nodes") or {}
+    def graph_nodes() -> dict:
+        return api.capture_status(llm, S.HIDDEN).get("graph_nodes") or {}
+
+    def replay_counts(nodes: dict) -> tuple[int, int]:
         return nodes.get("copy_replays") or 0, nodes.get("idle_nodes_replayed") or 0
 
     def generate(round_: int, label: str, capture=None) -> None:
@@ -305,11 +198,12 @@ def main() -> int:
                 gen_s = time.perf_counter() - t
             runs.append({"round": round_, "label": label, "engine": "vanilla",
                          "tok_s": w.generated_tokens / gen_s, "gpu": gpu.summary})
-        counts = replay_counts()
+        counts = replay_counts(graph_nodes())
         with GpuSampler(nvml) as gpu:
             gen_s, threads = capture_and_generate(llm, capture, shape, w, params, prompts,
                                                   engine_pids)
-        copies, idle_nodes = (b - a for a, b in zip(counts, replay_counts()))
+        nodes = graph_nodes()
+        copies, idle_nodes = (b - a for a, b in zip(counts, replay_counts(nodes)))
         fetch_s = None
         if capture is not None:
             t = time.perf_counter()
@@ -321,10 +215,12 @@ def main() -> int:
         m = {"round": round_, "label": label, "engine": "capture",
              "tok_s": w.generated_tokens / gen_s, "gen_s": gen_s, "fetch_s": fetch_s,
              "main_on_cpu_ms": main[0] / w.new_tokens, "copy_replays": copies,
-             "idle_nodes_replayed": idle_nodes, "gpu": gpu.summary}
+             "idle_nodes_replayed": idle_nodes, "graphs": nodes.get("graphs"),
+             "graph_copies": nodes.get("graph_copies"), "gpu": gpu.summary}
         runs.append(m)
         print(f"{round_} {label:<16} {m['tok_s']:>9.0f} tok/s"
               f"  main {m['main_on_cpu_ms']:.3f} ms/step  copies {copies} idle nodes {idle_nodes}"
+              f"  graphs {m['graphs']} held copies {m['graph_copies']}"
               + (f"  fetch {fetch_s:.3f} s" if fetch_s is not None else "") + _gpu_text(gpu.summary)
               + (f"  vanilla {runs[-2]['tok_s']:.0f}{_gpu_text(runs[-2]['gpu'])}"
                  if vanilla is not None else ""), flush=True)
@@ -341,14 +237,14 @@ def main() -> int:
         # No probe before the ``replays`` release, which is the probe: its replays and its
         # synchronize may themselves end a slow state (as in session 24's first run).
         probed = False
-        for name in RELEASES:
+        for name in releases:
             if name == "heads-4l":  # another stream's capture, as session 15's reps ran it
                 generate(round_, "heads-4l-capture", S.SCENARIOS["heads-4l"].capture)
             elif name == "replays":
                 read_device(round_, name)
                 probed = True
             else:
-                released[f"{round_}:{name}"] = release(llm, name)
+                released[f"{round_}:{name}"] = E.release(llm, name)
             for _ in range(args.idle):
                 generate(round_, name)
             if probed:

@@ -117,9 +117,10 @@ case "$SET" in
     # graph before each event's generates, did not reproduce it. A vanilla engine runs beside
     # it, one generate before each of its own, as in the benchmark. (MODEL, the second argument:
     # 8b by default; CAPTURE: the scenario, hidden-4l; CAPTURES, 2; IDLE generates after each
-    # event, 3; ROUNDS, 2; about 7 minutes for the 8B, two engine starts included.)
+    # event, 3; ROUNDS, 2; about 7 minutes for the 8B, two engine starts included. AFTER_ARGS:
+    # more of after_capture.py's options, e.g. "--suite full --releases graph-copies,replays".)
     timeout 560 python3 benchmarks/after_capture.py --model ${2:-8b} --capture ${CAPTURE:-hidden-4l} --beside-vanilla \
-      --idle ${IDLE:-3} --captures ${CAPTURES:-2} --rounds ${ROUNDS:-2} --out "$OUT" >"$OUT/after_capture.log" 2>&1
+      --idle ${IDLE:-3} --captures ${CAPTURES:-2} --rounds ${ROUNDS:-2} ${AFTER_ARGS:-} --out "$OUT" >"$OUT/after_capture.log" 2>&1
     echo "after-capture rc=$?"
     grep -E "^[0-9] |^median|^[a-z0-9-]+ +[0-9]+ \(|failed" "$OUT/after_capture.log" | tail -100
     ;;

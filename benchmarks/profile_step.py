@@ -44,15 +44,16 @@ WATCH = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize
          "aten::pin_memory", "aten::item", "aten::_local_scalar_dense")
 
 
-def quick_decode_engine(model: str, engine: str):
-    """One engine of the quick suite (``capture-graph`` or ``vanilla-graph``) for ``model``, with
-    what runs its decode workload: ``(llm, shape, workload, sampling params, prompts)``."""
+def quick_decode_engine(model: str, engine: str, suite: str = "quick"):
+    """One engine of ``suite`` (``capture-graph`` or ``vanilla-graph``) for ``model``, with what
+    runs the suite's first workload (a decode): ``(llm, shape, workload, sampling params,
+    prompts)``."""
     from vllm import LLM, SamplingParams
 
     import vllm_capture as vc
 
     shape = S.MODELS[model]
-    suite = S.make_suite("quick", model)
+    suite = S.make_suite(suite, model)
     w = suite.workloads[0]
     model_dir = prepare_model(shape, Path(tempfile.mkdtemp(prefix="vllm-capture-step-")))
     make = vc.LLM if S.ENGINES[engine].capture else LLM

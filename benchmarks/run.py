@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import engine_state as E  # noqa: E402
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
 
@@ -518,6 +519,12 @@ class EngineRun:
         rec.update(client_peak_rss=_proc_status(os.getpid(), "VmHWM"),
                    engine_peak_rss=peak_rss(descendants(os.getpid())),
                    nvml_used=self.nvml.used())
+        # Past the counters, so neither adds to this generate's replays.
+        if cap is not None and self.job.get("release_after_capture"):
+            rec["released"] = {n: E.release(llm, n) for n in self.job["release_after_capture"]}
+        if self.job.get("probe_graphs"):
+            rec["graph_probe"] = llm.collective_rpc(E.device_state,
+                                                    kwargs={"tokens": w.concurrency})[0]
         return rec
 
     def run(self) -> None:
@@ -769,8 +776,8 @@ class Suite:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_USE_FLASHINFER_SAMPLER="0")
         if self.suite.force_eager:
             self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if args.settle:
-            # _settle_worker travels to the engine as a pickled function.
+        if args.settle or args.release_after_capture or args.probe_graphs:
+            # _settle_worker and engine_state's functions travel to the engine pickled.
             self.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
         self.nvml = Nvml()
@@ -861,6 +868,8 @@ class Suite:
                "engine_kwargs": {e: S.engine_kwargs(self.suite, self.shape, e) for e in group},
                "plan": [(asdict(w), [s.name for s in scens]) for w, scens in plan],
                "reps": self.suite.reps, "block": self.args.block, "settle": self.args.settle,
+               "release_after_capture": self.args.release_after_capture,
+               "probe_graphs": self.args.probe_graphs,
                "deadline": deadline, "hard_deadline": self.hard_end - 20,
                "dtype_bytes": S.dtype_bytes(self.suite, self.shape), "events": str(events),
                "pin_cpus": self.args.pin_cpus and not self.suite.force_eager and not warm_cache}
@@ -994,6 +1003,17 @@ def parse_args(argv: list[str]):
                    help="after each fetch, wait until the client and the worker have let go of "
                    "the reply's memory (timed as settle_s, outside fetch_s): whether that work, "
                    "left to run during the next generate, is what slows it")
+    p.add_argument("--release-after-capture", metavar="NAMES", default="",
+                   help="comma list of engine_state.RELEASES run on the capture engine after "
+                   "each capture's generate, fetch and stop (outside the timed generate), e.g. "
+                   "graph-copies or synchronize: whether the slower generates after a capture "
+                   "end when what it names is let go of")
+    p.add_argument("--probe-graphs", action="store_true",
+                   help="after each generate (and its fetch), replay the engine's FULL decode "
+                   "graph of the workload's batch alone in its worker and time it, with a device "
+                   "copy and a matmul beside it (engine_state.device_state; graph_probe in "
+                   "results.json, a column of sequence.py): whether a slower generate's graph "
+                   "runs slower on the GPU, or the step around it is slower")
     p.add_argument("--budget-s", type=float, help="seconds the suite plans for (engines share it)")
     p.add_argument("--grace-s", type=float, help="seconds past the budget before workers are killed")
     p.add_argument("--max-capture-gb", type=float, help="skip captures with more rows per generate")
@@ -1019,6 +1039,10 @@ def parse_args(argv: list[str]):
     args = p.parse_args(argv)
     if args.block < 1:
         p.error(f"--block: {args.block} is not a number of generates (1 or more)")
+    args.release_after_capture = [n for n in args.release_after_capture.split(",") if n]
+    unknown = [n for n in args.release_after_capture if n not in E.RELEASES]
+    if unknown:
+        p.error(f"--release-after-capture: {', '.join(unknown)} not among {', '.join(E.RELEASES)}")
     if args.dry_run:
         args.suite = "tiny-cpu"
     args.argv = ["benchmarks/run.py", *argv]

@@ -703,6 +703,66 @@ def test_settle_waits_for_the_clients_reapers_outside_the_fetch_time(tmp_path, m
     assert len(waited) == 2 * settle + 1
 
 
+def test_releases_and_graph_probe_run_after_the_generates_counters(tmp_path):
+    """``run.py --release-after-capture`` and ``--probe-graphs``: the releases run on a capture
+    scenario's engine once its stream is stopped, the probe on every scenario's engine with the
+    workload's batch, both after the counters the generate reports were read (the probe's
+    replays are not the generate's)."""
+    from benchmarks import engine_state as E
+
+    run = _engine_run(tmp_path, ["vanilla", "hidden-last"], reps=1)
+    run.job.update(release_after_capture=["graph-copies", "client"], probe_graphs=True)
+    calls = []
+
+    class Engine:
+        def generate(self, *args, **kwargs):
+            calls.append("generate")
+            return []
+
+        def collective_rpc(self, fn, kwargs=None):
+            calls.append(fn.__name__)
+            if fn is E.device_state:
+                return [{"graph": {"gpu_us": 5484.0}, "tokens": kwargs["tokens"]}]
+            return [fn(None, **(kwargs or {}))]
+
+    class Api:
+        def start_capture(self, llm, stream, **kw):
+            calls.append("start")
+
+        def fetch_captured(self, llm, stream, clear, layers):
+            calls.append("fetch")
+            return {}, {}, None
+
+        def capture_status(self, llm, stream):
+            calls.append("status")
+            return {"graph_replays": len(calls)}
+
+        def stop_capture(self, llm, stream):
+            calls.append("stop")
+
+    run.llms = {"capture-graph": Engine(), "vanilla-graph": Engine()}
+    run.api, run.stream_layers = Api(), {S.HIDDEN: [0]}
+    rec = run.measure(S.SCENARIOS["hidden-last"], S.decode(8), 0)
+    assert calls == ["status", "start", "generate", "fetch", "status", "stop", "status",
+                     "drop_graph_copies", "device_state"]
+    assert rec["released"] == {"graph-copies": [0], "client": None}
+    assert rec["graph_probe"] == {"graph": {"gpu_us": 5484.0}, "tokens": 8}
+    assert rec["graph_replays"] == 6  # the counters read before the releases and the probe
+    calls.clear()
+    rec = run.measure(S.SCENARIOS["vanilla"], S.decode(8), 0)
+    assert calls == ["generate", "device_state"] and "released" not in rec
+
+
+def test_release_after_capture_names_a_known_release():
+    from benchmarks.run import parse_args
+
+    assert parse_args(["--release-after-capture", "graph-copies,wait"]).release_after_capture \
+        == ["graph-copies", "wait"]
+    assert parse_args([]).release_after_capture == []
+    with pytest.raises(SystemExit):
+        parse_args(["--release-after-capture", "graph-copies,replays"])
+
+
 def test_block_must_be_a_number_of_generates():
     from benchmarks.run import parse_args
 
@@ -1084,7 +1144,8 @@ def test_sequence_lists_generates_in_run_order_against_the_baselines_median():
     from benchmarks.sequence import sequence_lines
 
     ms = [*_m("idle", 1000.0, reps=(0,), cpus=[4, 5, 6, 7], copy_replays=287,
-              idle_nodes_replayed=0, gpu=gpu_summary([_reading(1980, 5.0, 0x1)])),
+              idle_nodes_replayed=0, gpu=gpu_summary([_reading(1980, 5.0, 0x1)]),
+              graph_probe={"graph": {"gpu_us": 5484.26, "host_launch_us": 7.1}}),
           *_m("vanilla", 1000.0, reps=(0,), cpus=[8, 9, 10, 11]),
           *_m("vanilla", 1020.0, reps=(1,)), *_m("idle", 975.0, reps=(1,)),
           *_m("vanilla", 900.0, reps=(0,), workload="prefill-c64")]
@@ -1095,8 +1156,8 @@ def test_sequence_lists_generates_in_run_order_against_the_baselines_median():
                                      ["1", "vanilla", "0", "8-11", "1000"],
                                      ["2", "vanilla", "1", "-", "1020"],
                                      ["3", "idle", "1", "-", "975"]]
-    assert rows[0][5:] == ["0.990", "287", "0", "1980", "500", "5", "1", "0x1"]
-    assert rows[3][5:] == ["0.965", "-", "-", "-", "-", "-", "-", "-"]
+    assert rows[0][5:] == ["0.990", "287", "0", "5484.3", "1980", "500", "5", "1", "0x1"]
+    assert rows[3][5:] == ["0.965", "-", "-", "-", "-", "-", "-", "-", "-"]
     assert len(sequence_lines(ms, "prefill-c64")) == 3
     assert sequence_lines([]) == []
 
