@@ -4,7 +4,7 @@ each way of letting go of what it held.
 
     python3 benchmarks/after_capture.py --model 8b --out /tmp/out [--capture hidden-4l]
         [--idle 4] [--captures 2] [--rounds 2] [--beside-vanilla | --in-process]
-        [--suite quick|full] [--releases wait,synchronize,...]
+        [--suite quick|full] [--releases wait,synchronize,...] [--vanilla-between each|none]
 
 Why: on the H200 (8B, decode-c64) the benchmark's idle capture engine runs at vanilla's speed
 until its first full hidden-4l generate, then about 2.5% slower in every idle generate after it
@@ -34,9 +34,10 @@ through, per round:
   mappings and spare dropped and unmapped), ``device-cache`` (``torch.cuda.empty_cache`` in
   the worker), ``host-cache`` (torch's caching host allocator emptied: the pinned blocks drains
   were copied into), ``graph-copies`` (every captured graph's copies but the one replays use
-  destroyed), ``heads-4l`` (one generate capturing another stream, ``heads-4l``, fetched and
-  stopped: in session 15's run, where idle kept vanilla's speed after hidden-4l, heads-4l came
-  between).
+  destroyed), ``other-process`` (a process of its own runs 2 s of matmuls on the GPU and exits),
+  ``vanilla-generate`` (one generate of the vanilla engine, with ``--beside-vanilla``),
+  ``heads-4l`` (one generate capturing another stream, ``heads-4l``, fetched and stopped: in
+  session 15's run, where idle kept vanilla's speed after hidden-4l, heads-4l came between).
 
 The probe: the FULL decode graph replayed alone in the worker, 10 times and then 50 timed
 (``graph_replay``'s timing: whether the device's work for the same graph got slower, or the
@@ -54,7 +55,14 @@ Session 25 ran this form with the quick suite's engines and with the full suite'
 full``, the benchmark's engine settings: 256 sequences, model length 2304, 1,667 graphs): idle kept its
 speed after the captures in both, while the benchmark slowed the same hour; ``run.py
 --release-after-capture`` and ``--probe-graphs`` take the releases and the probe into the
-benchmark itself (``engine_state.py`` holds both).
+benchmark itself (``engine_state.py`` holds both). Read by what ran just before, the
+benchmark's idle generates after a big capture ran slow after the capture engine's own generates
+only: in session 22's run 20261202-001352 (a second vanilla engine beside) idle ran at 0.992 and
+1.004 right after that engine's generates and 0.972-0.975 right after hidden-last's, and in every
+hidden-4l run since, idle never followed another engine's generate but the first. Here a vanilla
+generate ran before each of the capture engine's: ``--vanilla-between none`` leaves it out (the
+vanilla engine started, idle), so that ``other-process`` (another CUDA context's work) and
+``vanilla-generate`` can tell whether another engine's work is what ends the slow state.
 
 One line per generate (label, tok/s, the engine core's main thread ms a step on a CPU, the graph
 replays launched from a copy and the idle capture nodes replays ran, the graphs the registry holds
@@ -68,6 +76,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,7 +94,18 @@ from benchmarks.run import (  # noqa: E402
     TOUCH, GpuSampler, Nvml, descendants, pin, touch_capture)
 
 RELEASES = ("wait", "synchronize", "replays", "client", "worker-shm", "device-cache",
-            "host-cache", "graph-copies", "heads-4l")
+            "host-cache", "graph-copies", "other-process", "vanilla-generate", "heads-4l")
+#: What the ``other-process`` release runs: a process of its own doing 2 s of bf16 matmuls on the
+#: GPU, then exiting (work of another CUDA context between the capture engine's generates).
+OTHER_PROCESS = """
+import time, torch
+x = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+end = time.perf_counter() + 2.0
+while time.perf_counter() < end:
+    for _ in range(20):
+        y = x @ x
+    torch.cuda.synchronize()
+"""
 
 def _gpu_text(gpu: dict | None) -> str:
     """A generate's NVML readings (``report.gpu_summary``) for its line; empty without NVML."""
@@ -124,25 +144,34 @@ def main() -> int:
     p.add_argument("--idle", type=int, default=4, help="idle generates after each event")
     p.add_argument("--captures", type=int, default=2, help="capture generates in a row per round")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--vanilla-between", default="each", choices=("each", "none"),
+                   help="with --beside-vanilla: one vanilla generate before each of the capture "
+                        "engine's (each, as before), or none, the vanilla engine idle but for the "
+                        "vanilla-generate release (in the benchmark, the 8B's idle ran slow after "
+                        "its own generates and at full speed after another engine's)")
     p.add_argument("--suite", default="quick", choices=("quick", "full"),
                    help="whose engine settings: the full suite's (bench-8b-idle's: 256 "
                         "sequences, model length 2304) or the quick suite's (64 and 512)")
-    p.add_argument("--releases", default=",".join(RELEASES),
-                   help=f"which releases, in this order (default: all, {','.join(RELEASES)})")
+    p.add_argument("--releases",
+                   help=f"which releases, in this order (default: all, {','.join(RELEASES)}; "
+                        "vanilla-generate only with --beside-vanilla)")
     p.add_argument("--in-process", action="store_true")
     p.add_argument("--beside-vanilla", action="store_true",
                    help="a vanilla engine beside it, as in the benchmark, one of its generates "
                         "before each of the capture engine's: the speed the capture engine's is "
                         "read against, minute by minute")
     args = p.parse_args()
+    releases = ([r for r in RELEASES if args.beside_vanilla or r != "vanilla-generate"]
+                if args.releases is None else [r for r in args.releases.split(",") if r])
+    if set(releases) - set(RELEASES):
+        p.error(f"--releases: unknown {', '.join(sorted(set(releases) - set(RELEASES)))}")
     if args.in_process and args.beside_vanilla:
         p.error("--beside-vanilla needs each engine in a process of its own (not --in-process)")
+    if "vanilla-generate" in releases and not args.beside_vanilla:
+        p.error("--releases: vanilla-generate needs --beside-vanilla")
     if args.capture not in S.SCENARIOS or S.SCENARIOS[args.capture].capture is None:
         p.error(f"--capture: a capture scenario, one of "
                 f"{', '.join(k for k, v in S.SCENARIOS.items() if v.capture)}")
-    releases = args.releases.split(",") if args.releases else []
-    if set(releases) - set(RELEASES):
-        p.error(f"--releases: unknown {', '.join(sorted(set(releases) - set(RELEASES)))}")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -190,14 +219,19 @@ def main() -> int:
     def replay_counts(nodes: dict) -> tuple[int, int]:
         return nodes.get("copy_replays") or 0, nodes.get("idle_nodes_replayed") or 0
 
+    def generate_vanilla(round_: int, label: str) -> None:
+        with GpuSampler(nvml) as gpu:
+            t = time.perf_counter()
+            vanilla.generate(prompts.make(w), params, use_tqdm=False)
+            gen_s = time.perf_counter() - t
+        runs.append({"round": round_, "label": label, "engine": "vanilla",
+                     "tok_s": w.generated_tokens / gen_s, "gpu": gpu.summary})
+
+    interleaved = vanilla is not None and args.vanilla_between == "each"
+
     def generate(round_: int, label: str, capture=None) -> None:
-        if vanilla is not None:
-            with GpuSampler(nvml) as gpu:
-                t = time.perf_counter()
-                vanilla.generate(prompts.make(w), params, use_tqdm=False)
-                gen_s = time.perf_counter() - t
-            runs.append({"round": round_, "label": label, "engine": "vanilla",
-                         "tok_s": w.generated_tokens / gen_s, "gpu": gpu.summary})
+        if interleaved:
+            generate_vanilla(round_, label)
         counts = replay_counts(graph_nodes())
         with GpuSampler(nvml) as gpu:
             gen_s, threads = capture_and_generate(llm, capture, shape, w, params, prompts,
@@ -223,7 +257,7 @@ def main() -> int:
               f"  graphs {m['graphs']} held copies {m['graph_copies']}"
               + (f"  fetch {fetch_s:.3f} s" if fetch_s is not None else "") + _gpu_text(gpu.summary)
               + (f"  vanilla {runs[-2]['tok_s']:.0f}{_gpu_text(runs[-2]['gpu'])}"
-                 if vanilla is not None else ""), flush=True)
+                 if interleaved else ""), flush=True)
 
     for round_ in range(args.rounds):
         for _ in range(args.idle):
@@ -243,6 +277,11 @@ def main() -> int:
             elif name == "replays":
                 read_device(round_, name)
                 probed = True
+            elif name == "vanilla-generate":
+                generate_vanilla(round_, name)
+            elif name == "other-process":
+                released[f"{round_}:{name}"] = subprocess.run(
+                    [sys.executable, "-c", OTHER_PROCESS], timeout=120).returncode
             else:
                 released[f"{round_}:{name}"] = E.release(llm, name)
             for _ in range(args.idle):

@@ -111,11 +111,14 @@ case "$SET" in
     # What a capture leaves in the engine (benchmarks/after_capture.py): one capture engine's idle
     # generates before and after CAPTURES captures, then after each release of what it held (a
     # wait, a device synchronize, the decode graph's replays alone, the client's files, the
-    # worker's mappings, the device and host caches, the graph copies, a heads-4l capture). The
-    # benchmark's 8B idle runs about 2.5% slower once it has run hidden-4l (sessions 23-24, the
-    # package back to e7f71b2 alike); session 24's first run of this script, which probed the
-    # graph before each event's generates, did not reproduce it. A vanilla engine runs beside
-    # it, one generate before each of its own, as in the benchmark. (MODEL, the second argument:
+    # worker's mappings, the device and host caches, the graph copies, another process's GPU
+    # work, a vanilla generate, a heads-4l capture). The benchmark's 8B idle runs about 2.5%
+    # slower once it has run hidden-4l (sessions 23-25, the package back to e7f71b2 alike); this
+    # script, with a vanilla generate before each of the capture engine's, never reproduced it
+    # (sessions 24-25), and the benchmark's idle ran slow after the capture engine's own generates
+    # only: "--vanilla-between none" leaves the vanilla engine idle but for the vanilla-generate
+    # release. A vanilla engine runs beside it, one generate before each of its own unless
+    # AFTER_ARGS says none. (MODEL, the second argument:
     # 8b by default; CAPTURE: the scenario, hidden-4l; CAPTURES, 2; IDLE generates after each
     # event, 3; ROUNDS, 2; about 7 minutes for the 8B, two engine starts included. AFTER_ARGS:
     # more of after_capture.py's options, e.g. "--suite full --releases graph-copies,replays".)

@@ -5,6 +5,7 @@ ablation's step timers by phase (across a fork, as in the engine core)."""
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -1215,6 +1216,20 @@ def test_after_capture_summary_reads_each_label_against_before_and_vanilla():
     assert s[0]["after"] == {"tok_s": 98, "vs_before": 0.975, "vs_vanilla": round(97.5 / 105, 4)}
     # A round is read against its own before; without a vanilla engine there is no such ratio.
     assert s[1]["host-cache"] == {"tok_s": 45, "vs_before": 0.9, "vs_vanilla": None}
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--releases", "wait,nap"], "--releases: unknown nap"),
+    (["--releases", "vanilla-generate"], "--releases: vanilla-generate needs --beside-vanilla"),
+    (["--beside-vanilla", "--in-process"], "--beside-vanilla needs each engine"),
+])
+def test_after_capture_refuses_releases_it_cannot_run(monkeypatch, capsys, argv, field):
+    from benchmarks import after_capture
+
+    monkeypatch.setattr(sys, "argv", ["after_capture.py", "--out", "-", *argv])
+    with pytest.raises(SystemExit):
+        after_capture.main()
+    assert field in capsys.readouterr().err
 
 
 def test_full_graph_desc_picks_the_full_graph_of_the_decode_batch():
