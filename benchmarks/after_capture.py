@@ -52,8 +52,8 @@ sequence twice) and ``--beside-vanilla`` (a vanilla engine in a process of its o
 8-11, one generate before each of the capture engine's, as in the benchmark) tell apart.
 
 Session 25 ran this form with the quick suite's engines and with the full suite's (``--suite
-full``, the benchmark's engine settings: 256 sequences, model length 2304, 1,667 graphs): idle kept its
-speed after the captures in both, while the benchmark slowed the same hour; ``run.py
+full``, the benchmark's engine settings: 256 sequences, model length 2304, 1,667 graphs): idle
+kept its speed after the captures in both, while the benchmark slowed the same hour; ``run.py
 --release-after-capture`` and ``--probe-graphs`` take the releases and the probe into the
 benchmark itself (``engine_state.py`` holds both). Read by what ran just before, the
 benchmark's idle generates after a big capture ran slow after the capture engine's own generates
@@ -66,8 +66,9 @@ vanilla engine started, idle), so that ``other-process`` (another CUDA context's
 
 One line per generate (label, tok/s, the engine core's main thread ms a step on a CPU, the graph
 replays launched from a copy and the idle capture nodes replays ran, the graphs the registry holds
-and the copies held, NVML's readings, vanilla's tok/s and readings) and a summary: median tok/s per label and round against that round's
-``before`` (and against vanilla's), in ``OUT/after_capture.json``.
+and the copies held, NVML's readings, vanilla's tok/s and readings) and a summary: median tok/s
+per label and round against that round's ``before`` (and against vanilla's), in
+``OUT/after_capture.json``.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ while time.perf_counter() < end:
         y = x @ x
     torch.cuda.synchronize()
 """
+
 
 def _gpu_text(gpu: dict | None) -> str:
     """A generate's NVML readings (``report.gpu_summary``) for its line; empty without NVML."""
@@ -182,7 +184,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph", args.suite)
     engine_pids = [os.getpid()] if args.in_process else descendants(os.getpid())
-    vanilla = quick_decode_engine(args.model, "vanilla-graph", args.suite)[0] if args.beside_vanilla else None
+    vanilla = (quick_decode_engine(args.model, "vanilla-graph", args.suite)[0]
+               if args.beside_vanilla else None)
     cap = S.SCENARIOS[args.capture].capture
     nvml = Nvml()
     cpus = {}
