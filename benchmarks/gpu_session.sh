@@ -253,7 +253,8 @@ PY
       --out "$OUT" 2>&1 | tail -n 8
     # Its generates in order, with the GPU's NVML readings: the first idle against the later ones.
     RUN_DIR=$(ls -d "$OUT"/results/*-full-8b 2>/dev/null | tail -1)
-    [ -n "$RUN_DIR" ] && python3 benchmarks/sequence.py "$RUN_DIR"
+    [ -n "$RUN_DIR" ] && python3 benchmarks/sequence.py "$RUN_DIR" \
+      && python3 benchmarks/sequence.py --by-predecessor idle "$RUN_DIR"
     ;;
   bench-quick|bench-full)
     if [ "$SET" = bench-full ]; then MODEL_ARGS="--model ${2:-8b}"; else MODEL_ARGS=""; fi

@@ -2,6 +2,7 @@
 """A run's generates in the order they ran, one line each, beside what the GPU ran at.
 
     python3 benchmarks/sequence.py benchmarks/results/20261202-055704-full-8b [--workload W]
+    python3 benchmarks/sequence.py --by-predecessor idle benchmarks/results/*-full-8b
 
 Why: medians hide a state an engine enters mid-run. On the H200 the 8B's idle engine ran at
 vanilla's speed until its first full hidden-4l, then about 2.5% slower for the rest of the run
@@ -11,6 +12,12 @@ generates in the run, the graph launches from a copy and the idle capture nodes 
 engines), the engine's decode graph replayed alone after it (GPU us a replay, with
 ``run.py --probe-graphs``), and the NVML readings of the generate where the run has them (SM MHz,
 W, PCIe rx/tx MB/s, clock event reasons).
+
+``--by-predecessor SCENARIO`` groups a scenario's generates by what ran just before each: nothing
+measured (``first``), its own engine's generate (``own``) or another engine's (``other``),
+``+rows`` once its engine had run a capture of every position. Over every 8B run kept
+(2026-11-30 to 2026-12-02, read in session 25), idle ran at 0.976 of vanilla as ``own+rows`` (62
+generates, none above 0.985) and at 0.996-1.001 (medians) in every other group.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import report as R  # noqa: E402
+from benchmarks import scenarios as S  # noqa: E402
 from benchmarks.scenarios import BASELINE  # noqa: E402
 
 
@@ -61,14 +69,70 @@ def sequence_lines(measurements: list[dict], workload: str | None = None) -> lis
     return lines
 
 
+def by_predecessor(measurements: list[dict], scenario: str = "idle",
+                   workload: str | None = None) -> dict[str, list[float]]:
+    """``scenario``'s generates of ``workload`` (the first measured when None), each as its ratio
+    to the run's baseline median, grouped by what ran just before it: ``first`` (nothing
+    measured), ``own`` (a generate of its own engine) or ``other`` (another engine's), with
+    ``+rows`` once its engine had run a capture of every position (a rows capture, reduce
+    ``all``) before it. Sessions 20-25: the 8B's idle ran slow as ``own+rows`` only."""
+    if not measurements:
+        return {}
+    workload = workload or measurements[0]["workload"]
+    ms = [m for m in measurements if m["workload"] == workload]
+    base = R._median([m["generated_tokens"] / m["gen_s"] for m in ms if m["scenario"] == BASELINE])
+    groups: dict[str, list[float]] = {}
+    ran_rows: set[str] = set()  # engines that have run a rows capture
+    for i, m in enumerate(ms):
+        if m["scenario"] == scenario and base:
+            key = ("first" if i == 0 else "own" if ms[i - 1]["engine"] == m["engine"] else "other")
+            if i and m["engine"] in ran_rows:
+                key += "+rows"
+            groups.setdefault(key, []).append(m["generated_tokens"] / m["gen_s"] / base)
+        cap = S.SCENARIOS[m["scenario"]].capture if m["scenario"] in S.SCENARIOS else None
+        if cap is not None and cap.reduce == "all":
+            ran_rows.add(m["engine"])
+    return groups
+
+
+def predecessor_lines(runs: dict[str, list[dict]], scenario: str = "idle") -> list[str]:
+    """``by_predecessor`` of each run (name -> measurements), one line each (generates, median,
+    range by group), then every run's generates pooled."""
+    pooled: dict[str, list[float]] = {}
+    lines = [f"{scenario}'s ratio to the baseline's median, by what ran just before it"]
+    for name, measurements in runs.items():
+        groups = by_predecessor(measurements, scenario)
+        for key, ratios in groups.items():
+            pooled.setdefault(key, []).extend(ratios)
+        lines.append(f"{name}: " + _groups_text(groups))
+    lines.append("pooled: " + _groups_text(pooled))
+    return lines
+
+
+def _groups_text(groups: dict[str, list[float]]) -> str:
+    return "; ".join(f"{k} {len(v)}x {R._median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
+                     for k, v in sorted(groups.items())) or "-"
+
+
+def _measurements(run: str) -> list[dict]:
+    path = Path(run)
+    return json.loads((path / "results.json" if path.is_dir() else path).read_text())["measurements"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("run", help="a run folder (results.json inside) or its results.json")
+    p.add_argument("runs", nargs="+", help="run folders (results.json inside) or results.json files")
     p.add_argument("--workload", help="default: the first workload measured")
+    p.add_argument("--by-predecessor", metavar="SCENARIO", nargs="?", const="idle",
+                   help="instead of the generates in order: SCENARIO's (idle by default) by what "
+                        "ran just before it, per run and pooled")
     args = p.parse_args()
-    path = Path(args.run)
-    report = json.loads((path / "results.json" if path.is_dir() else path).read_text())
-    print("\n".join(sequence_lines(report["measurements"], args.workload)))
+    if args.by_predecessor:
+        print("\n".join(predecessor_lines({r: _measurements(r) for r in args.runs},
+                                           args.by_predecessor)))
+        return 0
+    for run in args.runs:
+        print("\n".join(sequence_lines(_measurements(run), args.workload)))
     return 0
 
 

@@ -704,6 +704,26 @@ def test_settle_waits_for_the_clients_reapers_outside_the_fetch_time(tmp_path, m
     assert len(waited) == 2 * settle + 1
 
 
+def test_by_predecessor_groups_generates_by_the_engine_before_and_its_rows_captures():
+    from benchmarks.sequence import by_predecessor, predecessor_lines
+
+    order = [("vanilla", 1000.0), ("idle", 990.0), ("hidden-last", 900.0), ("idle", 980.0),
+             ("hidden-4l", 800.0), ("idle", 970.0), ("vanilla", 1000.0), ("idle", 1010.0),
+             ("idle", 960.0)]
+    ms = [m for sc, tok_s in order for m in _m(sc, tok_s, reps=(0,))]
+    ms.insert(0, _m("idle", 500.0, reps=(0,), workload="prefill-c64")[0])  # another workload
+    groups = by_predecessor(ms, workload="decode-c64")
+    # A reduction (hidden-last) is not a rows capture; hidden-4l is, from the generate after it.
+    assert groups == {"other": pytest.approx([0.99]), "own": pytest.approx([0.98]),
+                      "own+rows": pytest.approx([0.97, 0.96]), "other+rows": pytest.approx([1.01])}
+    first = by_predecessor([*_m("idle", 990.0, reps=(0,)), *_m("vanilla", 1000.0, reps=(0,))])
+    assert first == {"first": pytest.approx([0.99])} and by_predecessor([]) == {}
+    assert by_predecessor(ms) == {}  # the first workload measured (prefill) has no baseline
+    lines = predecessor_lines({"run": ms[1:]})
+    assert lines[1] == lines[2].replace("pooled", "run")
+    assert "own+rows 2x 0.965 (0.960-0.970)" in lines[1]
+
+
 def test_releases_and_graph_probe_run_after_the_generates_counters(tmp_path):
     """``run.py --release-after-capture`` and ``--probe-graphs``: the releases run on a capture
     scenario's engine once its stream is stopped, the probe on every scenario's engine with the
