@@ -33,7 +33,15 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
-from benchmarks.scenarios import BASELINE  # noqa: E402
+
+
+def _of_workload(measurements: list[dict], workload: str | None):
+    """``workload`` (the first measured when None), its generates in run order, and the median
+    tok/s of its baseline's."""
+    workload = workload or measurements[0]["workload"]
+    ms = [m for m in measurements if m["workload"] == workload]
+    return workload, ms, R._median([m["generated_tokens"] / m["gen_s"] for m in ms
+                                    if m["scenario"] == S.BASELINE])
 
 
 def sequence_lines(measurements: list[dict], workload: str | None = None) -> list[str]:
@@ -41,14 +49,12 @@ def sequence_lines(measurements: list[dict], workload: str | None = None) -> lis
     order."""
     if not measurements:
         return []
-    workload = workload or measurements[0]["workload"]
-    ms = [m for m in measurements if m["workload"] == workload]
-    base = R._median([m["generated_tokens"] / m["gen_s"] for m in ms if m["scenario"] == BASELINE])
-    lines = [f"{workload}: generates in run order; ratio to {BASELINE}'s median "
+    workload, ms, base = _of_workload(measurements, workload)
+    lines = [f"{workload}: generates in run order; ratio to {S.BASELINE}'s median "
              f"({R._f(base, '{:.0f}')} tok/s)",
              f"{'#':>3} {'scenario':<16} {'rep':>3} {'cpus':<7} {'tok/s':>7} {'ratio':>6} "
-             f"{'copies':>6} {'idle n':>6} {'graph us':>8} {'SM MHz':>6} {'W':>4} {'rx MB/s':>7} {'tx MB/s':>7} "
-             "reasons"]
+             f"{'copies':>6} {'idle n':>6} {'graph us':>8} {'SM MHz':>6} {'W':>4} "
+             f"{'rx MB/s':>7} {'tx MB/s':>7} reasons"]
     for i, m in enumerate(ms):
         tok_s = m["generated_tokens"] / m["gen_s"]
         gpu = m.get("gpu") or {}
@@ -78,9 +84,7 @@ def by_predecessor(measurements: list[dict], scenario: str = "idle",
     ``all``) before it. Sessions 20-25: the 8B's idle ran slow as ``own+rows`` only."""
     if not measurements:
         return {}
-    workload = workload or measurements[0]["workload"]
-    ms = [m for m in measurements if m["workload"] == workload]
-    base = R._median([m["generated_tokens"] / m["gen_s"] for m in ms if m["scenario"] == BASELINE])
+    _, ms, base = _of_workload(measurements, workload)
     groups: dict[str, list[float]] = {}
     ran_rows: set[str] = set()  # engines that have run a rows capture
     for i, m in enumerate(ms):
@@ -116,17 +120,22 @@ def _groups_text(groups: dict[str, list[float]]) -> str:
 
 def _measurements(run: str) -> list[dict]:
     path = Path(run)
-    return json.loads((path / "results.json" if path.is_dir() else path).read_text())["measurements"]
+    report = json.loads((path / "results.json" if path.is_dir() else path).read_text())
+    return report["measurements"]
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("runs", nargs="+", help="run folders (results.json inside) or results.json files")
+    p.add_argument("runs", nargs="+",
+                   help="run folders (results.json inside) or results.json files")
     p.add_argument("--workload", help="default: the first workload measured")
-    p.add_argument("--by-predecessor", metavar="SCENARIO", nargs="?", const="idle",
-                   help="instead of the generates in order: SCENARIO's (idle by default) by what "
-                        "ran just before it, per run and pooled")
+    p.add_argument("--by-predecessor", metavar="SCENARIO",
+                   help="instead of the generates in order: SCENARIO's (e.g. idle) by what ran "
+                        "just before it, per run and pooled")
     args = p.parse_args()
+    if args.by_predecessor and args.by_predecessor not in S.SCENARIOS:
+        p.error(f"--by-predecessor: {args.by_predecessor} is not a scenario "
+                f"({', '.join(S.SCENARIOS)})")
     if args.by_predecessor:
         print("\n".join(predecessor_lines({r: _measurements(r) for r in args.runs},
                                            args.by_predecessor)))
