@@ -118,11 +118,13 @@ case "$SET" in
     # (sessions 24-25), and the benchmark's idle ran slow after the capture engine's own generates
     # only: "--vanilla-between none" leaves the vanilla engine idle but for the vanilla-generate
     # release. A vanilla engine runs beside it, one generate before each of its own unless
-    # AFTER_ARGS says none. (MODEL, the second argument:
+    # AFTER_ARGS says none; BESIDE_VANILLA=0 starts none (the capture engine alone on the GPU, as
+    # users run it; no vanilla-generate release then). (MODEL, the second argument:
     # 8b by default; CAPTURE: the scenario, hidden-4l; CAPTURES, 2; IDLE generates after each
     # event, 3; ROUNDS, 2; about 7 minutes for the 8B, two engine starts included. AFTER_ARGS:
     # more of after_capture.py's options, e.g. "--suite full --releases graph-copies,replays".)
-    timeout 560 python3 benchmarks/after_capture.py --model ${2:-8b} --capture ${CAPTURE:-hidden-4l} --beside-vanilla \
+    [ "${BESIDE_VANILLA:-1}" = 0 ] && BESIDE="" || BESIDE="--beside-vanilla"
+    timeout 560 python3 benchmarks/after_capture.py --model ${2:-8b} --capture ${CAPTURE:-hidden-4l} $BESIDE \
       --idle ${IDLE:-3} --captures ${CAPTURES:-2} --rounds ${ROUNDS:-2} ${AFTER_ARGS:-} --out "$OUT" >"$OUT/after_capture.log" 2>&1
     echo "after-capture rc=$?"
     grep -E "^[0-9] |^median|^[a-z0-9-]+ +[0-9]+ \(|failed" "$OUT/after_capture.log" | tail -100
