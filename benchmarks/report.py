@@ -420,9 +420,7 @@ def _gpu_table(rows: dict[str, dict]) -> list[str]:
              "| PCIe rx MB/s | PCIe tx MB/s | clock event reasons |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, g in shown.items():
-        cells = [_f(g.get(k), "{:.0f}") for k in
-                 ("sm_mhz", "mem_mhz", "power_w", "temp_c", "util_gpu", "util_mem",
-                  "pcie_rx_mb_s", "pcie_tx_mb_s")]
+        cells = [_f(g.get(k), "{:.0f}") for k in GPU_FIELDS]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {g['clock_reasons']:#x} |")
     return lines
 
