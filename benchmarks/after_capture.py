@@ -171,6 +171,9 @@ def main() -> int:
         p.error("--beside-vanilla needs each engine in a process of its own (not --in-process)")
     if "vanilla-generate" in releases and not args.beside_vanilla:
         p.error("--releases: vanilla-generate needs --beside-vanilla")
+    if args.vanilla_between == "none" and not args.beside_vanilla:
+        p.error("--vanilla-between: none needs --beside-vanilla (without it no vanilla "
+                "generate runs between the capture engine's anyway)")
     if args.capture not in S.SCENARIOS or S.SCENARIOS[args.capture].capture is None:
         p.error(f"--capture: a capture scenario, one of "
                 f"{', '.join(k for k, v in S.SCENARIOS.items() if v.capture)}")

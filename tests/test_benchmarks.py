@@ -1242,6 +1242,7 @@ def test_after_capture_summary_reads_each_label_against_before_and_vanilla():
     (["--releases", "wait,nap"], "--releases: unknown nap"),
     (["--releases", "vanilla-generate"], "--releases: vanilla-generate needs --beside-vanilla"),
     (["--beside-vanilla", "--in-process"], "--beside-vanilla needs each engine"),
+    (["--vanilla-between", "none", "--releases", "wait"], "--vanilla-between: none needs"),
 ])
 def test_after_capture_refuses_releases_it_cannot_run(monkeypatch, capsys, argv, field):
     from benchmarks import after_capture
