@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | ablation | after-capture | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | ablation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -128,6 +128,17 @@ case "$SET" in
       --idle ${IDLE:-3} --captures ${CAPTURES:-2} --rounds ${ROUNDS:-2} ${AFTER_ARGS:-} --out "$OUT" >"$OUT/after_capture.log" 2>&1
     echo "after-capture rc=$?"
     grep -E "^[0-9] |^median|^[a-z0-9-]+ +[0-9]+ \(|failed" "$OUT/after_capture.log" | tail -100
+    ;;
+  slow-state)
+    # What puts the capture engine's GPU work into its slow state and what takes it out
+    # (benchmarks/slow_state.py): after each step, triggers (a capture, pinned blocks, copies to
+    # the host, a device gather) and resets (another process's matmuls, a bare context, a second
+    # context in the worker), the FULL decode graph replayed alone and an idle generate. (MODEL,
+    # the second argument: 8b by default; STEPS: the script's --steps; about 4 minutes.)
+    timeout 560 python3 benchmarks/slow_state.py --model ${2:-8b} ${STEPS:+--steps $STEPS} \
+      --out "$OUT" >"$OUT/slow_state.log" 2>&1
+    echo "slow-state rc=$?"
+    grep -E "^ ?[0-9]+ " "$OUT/slow_state.log" | tail -40
     ;;
   extract)
     # The main job's throughput (issue 6): Llama-3.2-1B shape (dummy weights), 4,096 prompts of

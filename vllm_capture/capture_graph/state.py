@@ -433,9 +433,26 @@ class CaptureGraphState:
         if order is not None and len(order) != n:
             raise ValueError(f"{component}: an order of {len(order)} rows for {n} pending rows")
         cuda = self.device.type == "cuda"
-        # Ring rows in ``order``, uploaded on the current stream, before the event the copy stream
-        # waits for.
+        # The gathers run on the current stream and only the copies on the copy stream: device
+        # work of this process on a second stream left the 8B's decode graph 2.7% slower on the
+        # H200 until another CUDA context was made (session 26, benchmarks/slow_state.py); the
+        # reductions' gathers, already on the current stream, never did.
         index = None if order is None else self._device_index(order + start)
+        gathered = []
+        labels = None
+        for group in groups:
+            # [enabled sites, n, width]: only the pending rows of enabled layers, in one gather
+            # (its result is the only device memory a drain takes, outside vLLM's memory
+            # profile; a prefill step's drain can be GiBs).
+            if index is None:
+                rows = group.ring[:, start:start + n].index_select(0, group.enabled_index)
+            else:
+                rows = group.ring[group.enabled_index.unsqueeze(1), index]
+            if labels is None:
+                site_labels = group.labels[group.enabled[0]]
+                labels = (site_labels[start:start + n] if index is None
+                          else site_labels.index_select(0, index))
+            gathered.append((group, rows))
         event = None
         if cuda:
             done = torch.cuda.Event()
@@ -443,27 +460,14 @@ class CaptureGraphState:
             self._copy_stream.wait_event(done)
         layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         names: dict[int, str] = {}
-        labels = None
         with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
-            if cuda and index is not None:
-                index.record_stream(self._copy_stream)
-            for group in groups:
-                # [enabled sites, n, width]: only the pending rows of enabled layers, in one
-                # gather (its result is the only device memory a drain takes, outside vLLM's
-                # memory profile; a prefill step's drain can be GiBs).
-                if index is None:
-                    rows = group.ring[:, start:start + n].index_select(0, group.enabled_index)
-                else:
-                    rows = group.ring[group.enabled_index.unsqueeze(1), index]
+            if cuda:  # the gathered temporaries must outlive the copies that read them
+                labels.record_stream(self._copy_stream)
+            labels = _to_host(labels, cuda)
+            for group, rows in gathered:
                 if cuda:
-                    # set_enabled may replace the index while this gather is still queued.
-                    group.enabled_index.record_stream(self._copy_stream)
-                if labels is None:
-                    site_labels = group.labels[group.enabled[0]]
-                    labels = _to_host(site_labels[start:start + n] if index is None
-                                      else site_labels.index_select(0, index), cuda)
-                if cuda:  # on the CPU, index_select made ``rows`` for this drain alone
-                    rows = _to_host(rows, cuda)
+                    rows.record_stream(self._copy_stream)
+                    rows = _to_host(rows, cuda)  # on the CPU, index_select made ``rows``
                 for k, i in enumerate(group.enabled):
                     site = group.sites[i]
                     layers[site.layer_id] = (rows[k], labels)
