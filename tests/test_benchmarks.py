@@ -1253,6 +1253,35 @@ def test_after_capture_refuses_releases_it_cannot_run(monkeypatch, capsys, argv,
     assert field in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, field", [
+    (["--steps", "capture,nap"], "--steps: unknown nap"),
+    (["--capture", "idle"], "--capture: a capture scenario"),
+])
+def test_slow_state_refuses_steps_it_cannot_run(monkeypatch, capsys, argv, field):
+    from benchmarks import slow_state
+
+    monkeypatch.setattr(sys, "argv", ["slow_state.py", "--out", "-", *argv])
+    with pytest.raises(SystemExit):
+        slow_state.main()
+    assert field in capsys.readouterr().err
+
+
+def test_slow_state_worker_steps_do_nothing_off_cuda():
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks import slow_state
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU host runs these for real (gpu_session.sh slow-state)")
+    worker = SimpleNamespace()
+    for name in slow_state.WORKER_TRIGGERS:
+        assert slow_state.trigger(worker, name, mb=32, chunk_mb=16) is None
+    assert slow_state.second_context(worker, work=True) is None
+    assert set(slow_state.DEFAULT_STEPS) <= set(slow_state.STEPS)
+
+
 def test_full_graph_desc_picks_the_full_graph_of_the_decode_batch():
     from collections import namedtuple
     from types import SimpleNamespace
