@@ -12,8 +12,9 @@ hooks together. For each scenario (by default capture idle,
 last-token hidden states of all layers, all positions of 4 layers; any graph scenario of the suite
 by name) it times plain generates and their fetches, then profiles one and writes the CPU-side
 operator table (host syncs, pinned allocations, copies, kernel launches) to
-``OUT/profile_<scenario>.txt``, then runs one more under cProfile (``OUT/cprofile_<scenario>.txt``:
-the Python of the step, by function; capture's functions by cumulative time); the summary
+``OUT/profile_<scenario>.txt``, then ``--cprofile-reps`` more under cProfile
+(``OUT/cprofile_<scenario>.txt``: the Python of the step, by function; capture's functions by
+cumulative time; the raw stats in ``OUT/cprofile_<scenario>.pstats``); the summary
 (``OUT/profile_summary_<engine>.json``) compares the scenarios by call counts, host time per
 decode step, capture's functions per step under cProfile, and the GPU's busy time per step
 against the profiled generate's step time.
@@ -90,10 +91,14 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--engine", default="capture", choices=("capture", "vanilla"))
+    p.add_argument("--cprofile-reps", type=int, default=1,
+                   help="generates profiled by cProfile, into one profile (default 1)")
     p.add_argument("--scenarios", help="comma list: idle, or scenarios of the suite on the "
                    "capture-graph engine (default idle,hidden-last,hidden-4l; a vanilla engine "
                    "runs vanilla only)")
     args = p.parse_args()
+    if args.cprofile_reps < 1:
+        p.error(f"--cprofile-reps: at least 1, not {args.cprofile_reps}")
     capture = args.engine == "capture"
     if capture:
         names = (args.scenarios or "idle,hidden-last,hidden-4l").split(",")
@@ -149,12 +154,15 @@ def main() -> int:
         # (kernels and copies, graph replays' kernels included; overlapping streams add up).
         device_ms = sum(e.self_device_time_total for e in prof.key_averages()
                         if e.device_type == DeviceType.CUDA) / 1e3
-        # Then one generate under cProfile (this thread: the scheduler's and the worker's): where
-        # the Python of a step goes, capture's functions by name.
+        # Then generates under cProfile (this thread: the scheduler's and the worker's): where
+        # the Python of a step goes, capture's functions by name. The raw stats are kept too, so
+        # that two scenarios can be compared function by function (`pstats` on the .pstats files).
         python_profile = cProfile.Profile()
-        python_profile.enable()
-        generate()
-        python_profile.disable()
+        for _ in range(args.cprofile_reps):
+            python_profile.enable()
+            generate()
+            python_profile.disable()
+        python_profile.dump_stats(out / f"cprofile_{name}.pstats")
         text = io.StringIO()
         stats = pstats.Stats(python_profile, stream=text)
         stats.sort_stats("tottime").print_stats(40)
@@ -167,7 +175,8 @@ def main() -> int:
                          "gen_s": times, "tok_s": [w.generated_tokens / t for t in times],
                          "profiled_gen_s": prof_s, "watched": watched,
                          "cprofile_capture_ms_per_step": {
-                             where: round(ct * 1e3 / w.new_tokens, 4) for ct, where in ours},
+                             where: round(ct * 1e3 / (w.new_tokens * args.cprofile_reps), 4)
+                             for ct, where in ours},
                          **status}
         print(name, json.dumps(summary[name])[:1500], flush=True)
     (out / f"profile_summary_{args.engine}.json").write_text(json.dumps(summary, indent=1))
