@@ -85,10 +85,12 @@ case "$SET" in
   profile)
     # Where a step's host time goes (torch.profiler tables, then cProfile's by function), a
     # vanilla engine's and then the capture engine's, each in its own process; one file back.
+    # (CPROFILE_REPS: generates under cProfile per scenario, 1 by default; session 27 used 3.)
     timeout 200 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile --engine vanilla \
-      >"$OUT/profile_vanilla.log" 2>&1; echo "profile vanilla rc=$?"
+      ${CPROFILE_REPS:+--cprofile-reps $CPROFILE_REPS} >"$OUT/profile_vanilla.log" 2>&1; echo "profile vanilla rc=$?"
     timeout 300 python3 benchmarks/profile_step.py --model 1b --out /tmp/profile \
-      --scenarios ${2:-idle,hidden-last,hidden-4l} >"$OUT/profile.log" 2>&1; echo "profile rc=$?"
+      --scenarios ${2:-idle,hidden-last,hidden-4l} ${CPROFILE_REPS:+--cprofile-reps $CPROFILE_REPS} \
+      >"$OUT/profile.log" 2>&1; echo "profile rc=$?"
     grep -hE "^(vanilla|idle|hidden|heads|heavy|router)" "$OUT/profile_vanilla.log" "$OUT/profile.log" | cut -c1-700
     mv "$OUT/profile_vanilla.log" /tmp/profile/ 2>/dev/null
     cp "$OUT/profile.log" /tmp/profile/ 2>/dev/null; tar czf "$OUT/profile.tgz" -C /tmp profile && rm -f "$OUT/profile.log"

@@ -65,12 +65,23 @@ def tiny(tiny_model, tiny_dir):
 @pytest.fixture(scope="module")
 def llm(tiny):
     import vllm_capture as vc
+    from vllm import envs
 
+    # The bit-identity checks compare runs of the same batches, so each batch must be scheduled
+    # the same way every time. With the engine core in its own process, generate() sends its
+    # requests one by one and the core may start a step before the rest arrive (a 4-prompt
+    # batch prefilled as [9] then [3, 8, 3] tokens, or [9, 3] then [8, 3]); other GEMM row
+    # counts round float32 differently. In-process, generate() queues every request first.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.setattr(torch, "set_num_threads", torch.set_num_threads)  # the in-process worker replaces it
     engine = vc.LLM(str(tiny), capture_components=tuple(COMPONENTS), **DEMO_ENGINE)
     yield engine
     shutdown_llm(engine)
     del engine
     gc.collect()
+    mp.undo()
+    envs.disable_envs_cache()  # the in-process engine core froze vLLM's env vars in this process
 
 
 @pytest.fixture(scope="module")
