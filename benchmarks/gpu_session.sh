@@ -100,9 +100,12 @@ case "$SET" in
     # (benchmarks/harvest_ablation.py: idle, hidden-last, hidden-4l, hidden-4l with its drained
     # rows dropped), one engine as the benchmark runs it (engine core on CPUs 4-7, the client on
     # 0-3). (REPS, the second argument: 16 by default; about 3 minutes. CASES: the script's
-    # --cases, e.g. idle,hidden-last,hidden-last-nohost,hidden-last-nogpu: a last-token capture
-    # without its host step path on steady decode, and without its GPU work. BUDGET_S: seconds of
-    # reps, 420 by default, so that the summary and its table of step phases get written.)
+    # --cases, e.g. idle,hidden-last,hidden-last-nohost,hidden-last-nonodes,hidden-last-bare: a
+    # last-token capture without its host step path on steady decode, without its capture nodes
+    # in the graphs launched (-nonodes; -nogpu keeps the nodes, their kernels exiting), and
+    # without both. BUDGET_S: seconds of reps, 420 by default, so that the summary and its table
+    # of step phases get written. Where the host has hardware counters, "counted" lines give the
+    # engine step's user-mode instructions and cycles.)
     timeout 560 python3 benchmarks/harvest_ablation.py --model 1b --out "$OUT" \
       --reps ${2:-16} --budget-s ${BUDGET_S:-420} ${CASES:+--cases $CASES} >"$OUT/ablation.log" 2>&1
     echo "ablation rc=$?"

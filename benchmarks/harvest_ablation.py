@@ -58,8 +58,11 @@ from benchmarks.profile_step import (  # noqa: E402
 from benchmarks.run import descendants, pin  # noqa: E402
 
 CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
-NOSTORE, NOHOST, NOGPU = "-nostore", "-nohost", "-nogpu"
-KNOWN_CASES = (*CASES, "hidden-last-nohost", "hidden-4l-nohost", "hidden-last-nogpu")
+#: A case's suffix and the patch switches it turns on.
+SUFFIX_SWITCHES = {"-nostore": ("drop",), "-nohost": ("skip",), "-nogpu": ("nogpu",),
+                   "-nonodes": ("nonodes",), "-bare": ("skip", "nonodes")}
+KNOWN_CASES = (*CASES, "hidden-last-nohost", "hidden-4l-nohost", "hidden-last-nogpu",
+               "hidden-last-nonodes", "hidden-last-bare")
 
 
 class Switches:
@@ -145,6 +148,24 @@ def idle_on_device(switches: Switches, name: str) -> None:
     state_module.CaptureGraphState.set_enabled = set_enabled_host_only
 
 
+def leave_nodes_out(switches: Switches, name: str) -> None:
+    """Patch the switching of sites: while switch ``name`` is on, sites switched on stay on for
+    the host (plans, drains, reductions) while the graphs launched leave their capture nodes out,
+    as they do for idle sites: the GPU runs what it runs idle, and the step path runs as shipped.
+    (Patched after ``idle_on_device``, so that this runs last.)"""
+    from vllm_capture.capture_graph import state as state_module
+
+    set_enabled = state_module.CaptureGraphState.set_enabled
+
+    def set_enabled_without_nodes(self, component, layers):
+        set_enabled(self, component, layers)
+        if name in switches.on and self.nodes is not None:
+            self.nodes.set_sites({site.counter.data_ptr(): False
+                                  for site in self.sites_of(component)})
+
+    state_module.CaptureGraphState.set_enabled = set_enabled_without_nodes
+
+
 #: The engine's step, by phase: (module, class, method, phase name). Each is timed inclusive of
 #: what it calls (``iteration`` holds ``step``, which holds ``schedule``...), on whatever thread
 #: calls it (the engine core's main thread, for all of these); methods of one name add up in one
@@ -171,19 +192,72 @@ PHASES = (
 )
 
 
+class ThreadCounters:
+    """User-mode instructions and cycles of the calling thread, from the kernel's hardware
+    counters (``perf_event_open``; one group, read in one ``read``), or ``None`` per read where
+    the host exposes none (most VMs). Instructions do not move with the host's speed state, which
+    moved the 1B's generates by 15% rep to rep: a capture's extra work shows in them alone."""
+
+    _SYSCALL = 298  # perf_event_open, x86-64
+    _HARDWARE, _INSTRUCTIONS, _CYCLES = 0, 1, 0
+    _FORMAT_GROUP = 1 << 3
+    _EXCLUDE_KERNEL_HV = (1 << 5) | (1 << 6)
+
+    def __init__(self):
+        import ctypes
+        import threading
+
+        class Attr(ctypes.Structure):  # struct perf_event_attr, the fields used here
+            _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32),
+                        ("config", ctypes.c_uint64), ("sample_period", ctypes.c_uint64),
+                        ("sample_type", ctypes.c_uint64), ("read_format", ctypes.c_uint64),
+                        ("flags", ctypes.c_uint64), ("rest", ctypes.c_uint8 * 80)]
+
+        self._ctypes, self._attr = ctypes, Attr
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._fds: dict[tuple[int, int], int | None] = {}  # (pid, native thread id) -> leader fd
+        self._thread_id = threading.get_native_id
+
+    def _open(self, config: int, group: int) -> int:
+        attr = self._attr(type=self._HARDWARE, size=self._ctypes.sizeof(self._attr), config=config,
+                          read_format=self._FORMAT_GROUP, flags=self._EXCLUDE_KERNEL_HV)
+        return self._libc.syscall(self._SYSCALL, self._ctypes.byref(attr), 0, -1, group, 0)
+
+    def read(self) -> tuple[int, int] | None:
+        """(instructions, cycles) this thread has run in user mode since its first read."""
+        key = (os.getpid(), self._thread_id())
+        if key not in self._fds:
+            leader = self._open(self._INSTRUCTIONS, -1)
+            if leader >= 0 and self._open(self._CYCLES, leader) < 0:
+                os.close(leader)
+                leader = -1
+            self._fds[key] = leader if leader >= 0 else None
+        fd = self._fds[key]
+        if fd is None:
+            return None
+        import struct
+
+        _, instructions, cycles = struct.unpack("qqq", os.read(fd, 24))
+        return instructions, cycles
+
+
 class PhaseTimers:
     """Seconds and calls by phase, in an anonymous shared mapping made before the engine starts:
-    the engine core forked from this process adds to the same pages this one reads."""
+    the engine core forked from this process adds to the same pages this one reads. The phases in
+    ``counted`` also add the user-mode instructions and cycles their thread ran (``ThreadCounters``;
+    -1 where the host has no hardware counters); a read is a system call, so only the step's
+    outermost phase is counted by default."""
 
-    def __init__(self, phases=PHASES):
+    def __init__(self, phases=PHASES, counted=("iteration",)):
         import importlib
         import mmap
 
         import numpy as np
 
         self.names = list(dict.fromkeys(name for *_, name in phases))
-        self._map = mmap.mmap(-1, 16 * len(self.names))
-        self._totals = np.frombuffer(self._map, dtype=np.float64).reshape(len(self.names), 2)
+        self._map = mmap.mmap(-1, 32 * len(self.names))
+        self._totals = np.frombuffer(self._map, dtype=np.float64).reshape(len(self.names), 4)
+        counters = ThreadCounters()
         for module, cls, method, name in phases:
             try:
                 owner = getattr(importlib.import_module(module), cls, None)
@@ -191,10 +265,11 @@ class PhaseTimers:
                 owner = None
             fn = None if owner is None else owner.__dict__.get(method)
             if fn is not None:
-                setattr(owner, method, self._timed(fn, self._totals[self.names.index(name)]))
+                setattr(owner, method, self._timed(fn, self._totals[self.names.index(name)],
+                                                   counters if name in counted else None))
 
     @staticmethod
-    def _timed(fn, total):
+    def _timed(fn, total, counters):
         clock = time.perf_counter
 
         def timed(*args, **kwargs):
@@ -205,16 +280,53 @@ class PhaseTimers:
                 total[0] += clock() - t0
                 total[1] += 1
 
-        return timed
+        if counters is None:
+            return timed
 
-    def read(self) -> dict[str, tuple[float, int]]:
-        return {name: (float(s), int(n)) for name, (s, n) in zip(self.names, self._totals)}
+        def timed_and_counted(*args, **kwargs):
+            c0 = counters.read()
+            try:
+                return timed(*args, **kwargs)
+            finally:
+                c1 = counters.read()
+                if c0 is None or c1 is None:
+                    total[2] = total[3] = -1.0
+                else:
+                    total[2] += c1[0] - c0[0]
+                    total[3] += c1[1] - c0[1]
+
+        return timed_and_counted
+
+    def read(self) -> dict[str, tuple[float, int, float, float]]:
+        return {name: (float(s), int(n), float(i), float(c))
+                for name, (s, n, i, c) in zip(self.names, self._totals)}
 
     @staticmethod
     def spent(before: dict, after: dict) -> dict[str, dict]:
-        """ms and calls of each phase the engine ran between two reads."""
-        return {name: {"ms": (after[name][0] - s) * 1e3, "calls": after[name][1] - n}
-                for name, (s, n) in before.items() if after[name][1] > n}
+        """ms and calls of each phase the engine ran between two reads, and the instructions and
+        cycles of the counted ones (None where not counted or not countable)."""
+        def counted(b, a):
+            return None if a <= 0 or b < 0 else a - b
+
+        return {name: {"ms": (after[name][0] - s) * 1e3, "calls": after[name][1] - n,
+                       "instructions": counted(i, after[name][2]),
+                       "cycles": counted(c, after[name][3])}
+                for name, (s, n, i, c) in before.items() if after[name][1] > n}
+
+
+def counted_per_step(reps: list[dict], idle: list[dict], steps: int) -> dict:
+    """The counted phases' user-mode instructions and cycles a step (medians over reps), and the
+    same rep's difference from idle; empty where the host has no hardware counters."""
+    out = {}
+    for name in reps[0]["phases"]:
+        for what in ("instructions", "cycles"):
+            pairs = [(r["phases"][name][what], i["phases"][name][what]) for r, i in zip(reps, idle)
+                     if r["phases"].get(name, {}).get(what) is not None
+                     and i["phases"].get(name, {}).get(what) is not None]
+            if pairs:
+                out[f"{name}_{what}"] = round(statistics.median(a for a, _ in pairs) / steps)
+                out[f"{name}_{what}_vs_idle"] = round(statistics.median(a - b for a, b in pairs) / steps)
+    return out
 
 
 def print_phase_table(summary: dict, cases: tuple[str, ...]) -> None:
@@ -254,6 +366,7 @@ def main() -> int:
     drop_stores(switches, "drop")
     skip_step_path(switches, "skip")
     idle_on_device(switches, "nogpu")
+    leave_nodes_out(switches, "nonodes")
     phases = PhaseTimers()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -276,12 +389,12 @@ def main() -> int:
         return api.capture_status(llm, S.HIDDEN)["host_timers"]
 
     def generate(case: str) -> dict:
-        suffix = next((x for x in (NOSTORE, NOHOST, NOGPU) if case.endswith(x)), "")
+        suffix = next((x for x in SUFFIX_SWITCHES if case.endswith(x)), "")
         cap = None if case == S.IDLE else S.SCENARIOS[case.removesuffix(suffix)].capture
-        drop = suffix == NOSTORE
-        flag = flags / {NOSTORE: "drop", NOHOST: "skip", NOGPU: "nogpu"}[suffix] if suffix else None
-        if flag is not None:
-            flag.touch()
+        on = SUFFIX_SWITCHES.get(suffix, ())
+        drop, no_rows = "drop" in on, "nogpu" in on or "nonodes" in on
+        for switch in on:
+            (flags / switch).touch()
         before, phases_before = timers(), phases.read()
         gen_s, threads = capture_and_generate(llm, cap, shape, w, params, prompts, engine_pids)
         fetch_s = None
@@ -297,15 +410,15 @@ def main() -> int:
                 tensors, _, _ = api.fetch_captured(llm, cap.stream, clear=True)
                 fetch_s = time.perf_counter() - t
                 rows = sum(len(t) for t in tensors.values())
-                if (suffix == NOGPU) != (rows == 0):
-                    raise SystemExit(f"{case}: {rows} rows fetched; the device-flag patch "
-                                     f"{'did not reach' if suffix == NOGPU else 'reached'} the engine")
+                if no_rows != (rows == 0):
+                    raise SystemExit(f"{case}: {rows} rows fetched; the device patch "
+                                     f"{'did not reach' if no_rows else 'reached'} the engine")
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
         after, phases_after = timers(), phases.read()
-        if flag is not None:
-            flag.unlink()
+        for switch in on:
+            (flags / switch).unlink()
         planned = after["steps"] - before["steps"]
-        if suffix == NOHOST and planned > 8:
+        if "skip" in on and planned > 8:
             raise SystemExit(f"{case}: {planned} steps went through begin_step; the step-path "
                              f"patch did not reach the engine")
         main = engine_main_thread(threads)
@@ -365,11 +478,14 @@ def main() -> int:
             "phase_calls_per_step": {name: round(statistics.median(
                 r["phases"].get(name, {"calls": 0})["calls"] for r in reps) / w.new_tokens, 3)
                 for name in phase_ms},
+            "counted_per_step": counted_per_step(reps, runs[S.IDLE], w.new_tokens),
             "gen_s": [round(r["gen_s"], 4) for r in reps]}
         print(case, json.dumps(summary[case]), flush=True)
     summary["cpus"] = cpus
     summary["reps"] = len(runs[S.IDLE])
     print_phase_table(summary, cases)
+    for case in cases:
+        print(f"counted {case}: {json.dumps(summary[case]['counted_per_step'])}", flush=True)
     (out / "harvest_ablation.json").write_text(json.dumps(summary, indent=1))
     return 0
 
