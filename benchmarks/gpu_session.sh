@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | ablation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -194,6 +194,18 @@ PY
       echo "replay $e rc=$? $(grep -E '^\{' "$OUT/replay_$e.log" | tail -1 | cut -c1-1500)"
     done
     ;;
+  step-alternation)
+    # A last-token capture's cost per engine iteration, iteration against neighbouring iteration
+    # (benchmarks/step_alternation.py: idle and hidden-last generates in turn; in a hidden-last
+    # generate, the step path and the capture nodes switch on and off from one iteration to the
+    # next). REPS, the second argument: generates of each kind, 60 by default; BUDGET_S: seconds
+    # of generates, 240 by default (about 5 minutes with the engine's start); PLAIN=1: capture
+    # generates as shipped, every switch on (whether the alternation itself changes them).
+    timeout 420 python3 benchmarks/step_alternation.py --model 1b --out "$OUT" \
+      --generates ${2:-60} --budget-s ${BUDGET_S:-240} ${PLAIN:+--plain} \
+      >"$OUT/step_alternation.log" 2>&1
+    echo "step-alternation rc=$?"; tail -1 "$OUT/step_alternation.log" | cut -c1-1500
+    ;;
   step-host)
     # Capture's step-path host time without an engine (seconds): on this host's CPU, with the
     # plan buffers on the GPU and on the CPU.
@@ -219,6 +231,16 @@ PY
     # (in the check line) is about +-4% after 80 reps; the target is decided where it clears 0.97.
     python3 benchmarks/run.py --suite quick --scenarios vanilla,idle,hidden-last --reps 80 \
       --budget-s 500 --grace-s 30 --out "$OUT" 2>&1 | tail -n 12
+    ;;
+  bench-1b-alone)
+    # bench-1b-paired without the vanilla engine: the capture engine alone in the benchmark's
+    # client (idle and hidden-last in turn, not pinned: one engine), read as hidden-last against
+    # idle of the same rep (`pool.py RUN`). Whether the benchmark's last-token cost against idle
+    # (0.950 pooled) needs a second engine beside it: session 29 read 0.934 without one, where
+    # step_alternation.py's whole generates read 1.022. (REPS: 80 by default, about 5 minutes
+    # with the engine's start.)
+    python3 benchmarks/run.py --suite quick --engines capture-graph --scenarios idle,hidden-last \
+      --reps ${2:-80} --budget-s ${BUDGET_S:-260} --grace-s 30 --out "$OUT" 2>&1 | tail -n 12
     ;;
   bench-1b-control)
     # The 1B's graph targets with a second vanilla engine (vanilla-b, started first): how far

@@ -392,7 +392,7 @@ def main() -> int:
         suffix = next((x for x in SUFFIX_SWITCHES if case.endswith(x)), "")
         cap = None if case == S.IDLE else S.SCENARIOS[case.removesuffix(suffix)].capture
         on = SUFFIX_SWITCHES.get(suffix, ())
-        drop, no_rows = "drop" in on, "nogpu" in on or "nonodes" in on
+        drop, no_rows, no_nodes = "drop" in on, "nogpu" in on, "nonodes" in on
         for switch in on:
             (flags / switch).touch()
         before, phases_before = timers(), phases.read()
@@ -407,12 +407,19 @@ def main() -> int:
                                  f"{'did not reach' if drop else 'dropped rows of'} the engine")
             if not drop:
                 t = time.perf_counter()
-                tensors, _, _ = api.fetch_captured(llm, cap.stream, clear=True)
+                tensors, meta, _ = api.fetch_captured(llm, cap.stream, clear=True)
                 fetch_s = time.perf_counter() - t
                 rows = sum(len(t) for t in tensors.values())
                 if no_rows != (rows == 0):
                     raise SystemExit(f"{case}: {rows} rows fetched; the device patch "
                                      f"{'did not reach' if no_rows else 'reached'} the engine")
+                # Without the nodes, the graphs' decode steps capture nothing, but the prefill
+                # (too large for a graph) still runs the op: a last row stays at the prompt.
+                last = max((int(m.positions.max()) for m in meta.values() if len(m.positions)),
+                           default=-1)
+                if rows and no_nodes != (last < w.prompt_len + w.new_tokens - 2):
+                    raise SystemExit(f"{case}: last row at position {last}; the graph patch "
+                                     f"{'did not reach' if no_nodes else 'reached'} the engine")
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
         after, phases_after = timers(), phases.read()
         for switch in on:

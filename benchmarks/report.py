@@ -66,15 +66,23 @@ def paired_ratio(base: list[dict], reps: list[dict]) -> dict | None:
         for k, (s, tokens) in own_s.items() if k in base_s])
 
 
+def mean_interval(values: list[float]) -> tuple[float, float | None]:
+    """The mean of ``values`` and the half width of its 95% interval (t; None for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1))
+    t = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
+    return mean, t * sd / math.sqrt(len(values))
+
+
 def geometric_mean_interval(logs: list[float]) -> dict | None:
     """The geometric mean of ratios given as logs, with its 95% interval (t on the logs)."""
     if not logs:
         return None
-    mean = sum(logs) / len(logs)
-    if len(logs) < 2:
+    mean, half = mean_interval(logs)
+    if half is None:
         return {"value": math.exp(mean), "ci95": None, "pairs": 1}
-    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
-    half = (_T95[len(logs) - 2] if len(logs) - 1 <= len(_T95) else 1.96) * sd / math.sqrt(len(logs))
     return {"value": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)],
             "pairs": len(logs)}
 

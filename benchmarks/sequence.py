@@ -3,6 +3,7 @@
 
     python3 benchmarks/sequence.py benchmarks/results/20261202-055704-full-8b [--workload W]
     python3 benchmarks/sequence.py --by-predecessor idle benchmarks/results/*-full-8b
+    python3 benchmarks/sequence.py --own-and-after hidden-last benchmarks/results/*-quick-1b
 
 Why: medians hide a state an engine enters mid-run. On the H200 the 8B's idle engine ran at
 vanilla's speed until its first full hidden-4l, then about 2.5% slower for the rest of the run
@@ -18,6 +19,11 @@ measured (``first``), its own engine's generate (``own``) or another engine's (`
 ``+rows`` once its engine had run a capture of every position. Over every 8B run kept
 (2026-11-30 to 2026-12-02, read in session 25), idle ran at 0.976 of vanilla as ``own+rows`` (62
 generates, none above 0.985) and at 0.996-1.001 (medians) in every other group.
+
+``--own-and-after SCENARIO`` fits, run by run, what SCENARIO costs its own generates against
+idle's and what it costs the generate after each of its, each generate's rep taken as its own
+level. Over the 1B's runs of sessions 17-29 (read in session 29): a last-token capture +4.0% to
+its own generates, +0.3% to the next.
 """
 
 from __future__ import annotations
@@ -113,6 +119,67 @@ def predecessor_lines(runs: dict[str, list[dict]], scenario: str = "idle") -> li
     return lines
 
 
+def own_and_after(measurements: list[dict], scenario: str, against: str = "idle",
+                  workload: str | None = None) -> dict[str, dict] | None:
+    """What ``scenario`` costs its own generates against ``against``'s, and the generate after
+    each of its: least squares of every generate's log seconds (of ``workload``, the first
+    measured when None) on its rep (each rep its own level: the host's drift), its scenario
+    (each its own level, ``against``'s the reference) and whether the generate before it was
+    ``scenario``'s. Each cost as a fraction of a generate's time, with its 95% interval
+    (normal); None where they cannot be told apart (a rep's generates all after the same kind,
+    say) or either scenario is missing."""
+    import numpy as np
+
+    if not measurements:
+        return None
+    workload = workload or measurements[0]["workload"]
+    ms = [m for m in measurements if m["workload"] == workload]
+    names = {m["scenario"] for m in ms}
+    if scenario not in names or against not in names:
+        return None
+    reps = sorted({m["rep"] for m in ms})
+    others = sorted(names - {against, scenario})
+    rows, seconds = [], []
+    for i, m in enumerate(ms[1:], 1):
+        rows.append([float(m["rep"] == r) for r in reps]
+                    + [float(m["scenario"] == o) for o in others]
+                    + [float(m["scenario"] == scenario), float(ms[i - 1]["scenario"] == scenario)])
+        seconds.append(np.log(m["gen_s"]))
+    x, y = np.array(rows), np.array(seconds)
+    if len(y) <= x.shape[1] or np.linalg.matrix_rank(x) < x.shape[1]:
+        return None
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ coef
+    cov = resid @ resid / (len(y) - x.shape[1]) * np.linalg.inv(x.T @ x)
+    out = {}
+    for name, k in (("own", -2), ("after", -1)):
+        half = 1.96 * float(np.sqrt(cov[k, k]))
+        out[name] = {"cost": float(np.expm1(coef[k])),
+                     "ci95": [float(np.expm1(coef[k] - half)), float(np.expm1(coef[k] + half))]}
+    out["generates"] = len(y)
+    return out
+
+
+def own_and_after_lines(runs: dict[str, list[dict]], scenario: str) -> list[str]:
+    """``own_and_after`` of each run, one line each, then the mean of the runs' estimates."""
+    lines = [f"{scenario}: its own generates' cost against idle's, and the next generate's, "
+             f"a run at a time"]
+    found = []
+    for name, measurements in runs.items():
+        fit = own_and_after(measurements, scenario)
+        if fit is None:
+            lines.append(f"{name}: -")
+            continue
+        found.append(fit)
+        lines.append(f"{name}: " + "; ".join(
+            f"{k} {fit[k]['cost']:+.1%} ({fit[k]['ci95'][0]:+.1%} to {fit[k]['ci95'][1]:+.1%})"
+            for k in ("own", "after")) + f"; {fit['generates']} generates")
+    if found:
+        lines.append(f"mean of {len(found)} runs: " + "; ".join(
+            f"{k} {sum(f[k]['cost'] for f in found) / len(found):+.1%}" for k in ("own", "after")))
+    return lines
+
+
 def _groups_text(groups: dict[str, list[float]]) -> str:
     return "; ".join(f"{k} {len(v)}x {R._median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
                      for k, v in sorted(groups.items())) or "-"
@@ -132,10 +199,20 @@ def main() -> int:
     p.add_argument("--by-predecessor", metavar="SCENARIO",
                    help="instead of the generates in order: SCENARIO's (e.g. idle) by what ran "
                         "just before it, per run and pooled")
+    p.add_argument("--own-and-after", metavar="SCENARIO",
+                   help="instead: SCENARIO's cost to its own generates (against idle's) and "
+                        "to the generate after each (a regression on rep, scenario and the "
+                        "scenario before), per run")
     args = p.parse_args()
-    if args.by_predecessor and args.by_predecessor not in S.SCENARIOS:
-        p.error(f"--by-predecessor: {args.by_predecessor} is not a scenario "
-                f"({', '.join(S.SCENARIOS)})")
+    for flag in ("by_predecessor", "own_and_after"):
+        value = getattr(args, flag)
+        if value and value not in S.SCENARIOS:
+            p.error(f"--{flag.replace('_', '-')}: {value} is not a scenario "
+                    f"({', '.join(S.SCENARIOS)})")
+    if args.own_and_after:
+        print("\n".join(own_and_after_lines({r: _measurements(r) for r in args.runs},
+                                             args.own_and_after)))
+        return 0
     if args.by_predecessor:
         print("\n".join(predecessor_lines({r: _measurements(r) for r in args.runs},
                                            args.by_predecessor)))

@@ -704,6 +704,39 @@ def test_settle_waits_for_the_clients_reapers_outside_the_fetch_time(tmp_path, m
     assert len(waited) == 2 * settle + 1
 
 
+def test_own_and_after_separates_a_captures_own_cost_from_the_next_generates():
+    """Reps of vanilla, idle and hidden-last, reversed every other rep, each rep at its own
+    speed: hidden-last 5% slower than idle, and the generate after it 2% slower."""
+    import numpy as np
+
+    from benchmarks.sequence import own_and_after, own_and_after_lines
+
+    rng = np.random.default_rng(4)
+    level = {"vanilla": 1.0, "idle": 1.01, "hidden-last": 1.01 * 1.05}
+    ms, before = [], None
+    for rep in range(40):
+        drift = rng.uniform(0.8, 1.2)
+        order = ["vanilla", "idle", "hidden-last"]
+        for sc in order if rep % 2 == 0 else order[::-1]:
+            seconds = drift * level[sc] * (1.02 if before == "hidden-last" else 1.0)
+            seconds *= float(np.exp(rng.normal(0.0, 0.003)))
+            ms += _m(sc, 1000.0 / seconds, reps=(rep,))
+            before = sc
+    fit = own_and_after(ms, "hidden-last")
+    assert fit["own"]["cost"] == pytest.approx(0.05, abs=0.004)
+    assert fit["after"]["cost"] == pytest.approx(0.02, abs=0.004)
+    assert fit["own"]["ci95"][0] < fit["own"]["cost"] < fit["own"]["ci95"][1]
+    assert fit["generates"] == len(ms) - 1
+    # Two scenarios in turn: a rep's two generates follow the same kind, so "after" is the
+    # rep's level; nothing to tell apart.
+    pairs = [m for m in ms if m["scenario"] != "vanilla"]
+    assert own_and_after(pairs, "hidden-last") is None
+    assert own_and_after(ms, "hidden-4l") is None and own_and_after([], "idle") is None
+    lines = own_and_after_lines({"a": ms, "b": pairs}, "hidden-last")
+    assert lines[1].startswith("a: own +5.") and lines[2] == "b: -"
+    assert lines[3].startswith("mean of 1 runs: own +5.")
+
+
 def test_by_predecessor_groups_generates_by_the_engine_before_and_its_rows_captures():
     from benchmarks.sequence import by_predecessor, predecessor_lines
 
@@ -1302,3 +1335,159 @@ def test_full_graph_desc_picks_the_full_graph_of_the_decode_batch():
     assert runner_graphs(wrapper) is graphs  # collective_rpc's wrapper, or the worker itself
     assert runner_graphs(wrapper.worker) is graphs
     assert runner_graphs(SimpleNamespace(model_runner=SimpleNamespace())) is None  # V1 runner
+
+
+# ---- step_alternation: a switch's cost, iteration against neighbouring iteration ---------------
+
+def _alternating_rows(generate: int, costs: dict[str, float], base_us: float, rng,
+                      noise_us: float = 30.0, iterations: int = 256, first: int = 0):
+    """One capture generate's log rows (duration, host, nodes, step, generate) with the costs
+    (us) that ``fit_generate`` should find, the switches as the engine alternates them."""
+    from benchmarks import step_alternation as SA
+
+    rows, prev = [], (0.0, 0.0)
+    for i in range(iterations):
+        host, nodes = map(float, SA.switches_of(first + i))
+        step = SA.PLANNED if i < 2 else (SA.REPEATED if host else SA.SKIPPED)
+        if step == SA.PLANNED:
+            host = 1.0
+        us = (base_us + costs["host"] * host + costs["host_before"] * prev[0]
+              + costs["nodes"] * nodes + costs["nodes_before"] * prev[1]
+              + rng.normal(0.0, noise_us))
+        rows.append((us * 1e-6, host, nodes, step, generate))
+        prev = (host, nodes)
+    return rows
+
+
+def test_switch_patterns_let_each_switch_and_the_one_before_be_told_apart():
+    """Over the patterns, each switch is on half the time; the iteration before is on as often
+    as off whatever this one is, but for the nodes after the nodes (three in four); the
+    regression's columns are independent."""
+    import numpy as np
+
+    from benchmarks.step_alternation import switches_of
+
+    on = np.array([switches_of(k) for k in range(64)], dtype=float)
+    host, nodes = on[:, 0], on[:, 1]
+    assert host.mean() == nodes.mean() == 0.5
+    for this, before in ((host, np.roll(host, 1)), (host, np.roll(nodes, 1)),
+                         (nodes, np.roll(host, 1)), (host, nodes)):
+        for state in (0.0, 1.0):
+            assert before[this == state].mean() == 0.5
+    nodes_before = np.roll(nodes, 1)
+    assert (nodes_before[nodes == 1].mean(), nodes_before[nodes == 0].mean()) == (0.75, 0.25)
+    x = np.column_stack([np.ones(64), host, np.roll(host, 1), nodes, np.roll(nodes, 1)])
+    assert np.linalg.matrix_rank(x) == 5
+
+
+def test_fit_generate_finds_each_switchs_cost_in_its_iteration_and_the_next():
+    import numpy as np
+
+    from benchmarks.step_alternation import fit_generate
+
+    rng = np.random.default_rng(0)
+    costs = {"host": 40.0, "host_before": 12.0, "nodes": 20.0, "nodes_before": -6.0}
+    rows = np.array(_alternating_rows(1, costs, 2800.0, rng, first=3))
+    rows[[50, 90, 130], 0] += 0.05  # the host's 50 ms stalls: above the 99th percentile
+    fit = fit_generate(rows)
+    assert fit["base"] == pytest.approx(2800.0, abs=12)
+    for term, cost in costs.items():
+        assert fit[term] == pytest.approx(cost, abs=12), term
+    # Too few steady iterations to fit: none.
+    assert fit_generate(rows[:30]) is None
+
+
+def test_analyse_reads_capture_generates_against_the_idle_generates_beside_them():
+    import numpy as np
+
+    from benchmarks import step_alternation as SA
+
+    rng = np.random.default_rng(1)
+    costs = {"host": 40.0, "host_before": 0.0, "nodes": 0.0, "nodes_before": 0.0}
+    rows = []
+    for g in range(6):
+        if SA.is_capture(g):
+            rows += _alternating_rows(g, costs, 2900.0, rng, noise_us=5.0)
+        else:  # idle: every iteration repeats, nothing on
+            rows += [(rng.normal(2800.0, 5.0) * 1e-6, 0.0, 1.0, SA.NO_STEP, g) for _ in range(256)]
+    out = SA.analyse(np.array(rows))
+    assert out["capture_generates"] == out["fitted_generates"] == out["idle_generates"] == 3
+    assert out["host"]["us"] == pytest.approx(40.0, abs=3)
+    assert out["host_total"]["us"] == pytest.approx(40.0, abs=4)
+    assert out["base_vs_idle"]["us"] == pytest.approx(100.0, abs=4)
+    assert out["all_on_vs_idle"]["us"] == pytest.approx(140.0, abs=6)
+    # Whole generates: the host on half the iterations, so 2800 / (2900 + 20), nearly.
+    assert out["generate_vs_idle"]["value"] == pytest.approx(2800 / 2920, rel=0.003)
+    # The median steady iteration: as many with the host on as off, between 2900 and 2940.
+    assert 95 <= out["iteration_vs_idle"]["us"] <= 145
+    assert out["iterations"]["planned"] == 6 and out["iterations"]["capture"] == 3 * 256
+
+
+def test_analyse_reads_plain_capture_generates_whole_without_a_fit():
+    """--plain: every switch on in every step, so nothing to fit; the capture generates are
+    still read against the idle ones beside them."""
+    import numpy as np
+
+    from benchmarks import step_alternation as SA
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for g in range(4):
+        us = 2870.0 if SA.is_capture(g) else 2800.0
+        kind = SA.REPEATED if SA.is_capture(g) else SA.NO_STEP
+        rows += [(rng.normal(us, 5.0) * 1e-6, 1.0, 1.0, kind, g) for _ in range(256)]
+    out = SA.analyse(np.array(rows))
+    assert (out["capture_generates"], out["fitted_generates"], out["idle_generates"]) == (2, 0, 2)
+    assert out["host"] is None and out["base_vs_idle"] is None
+    assert out["iteration_vs_idle"]["us"] == pytest.approx(70.0, abs=3)
+    assert out["generate_vs_idle"]["value"] == pytest.approx(2800 / 2870, rel=0.002)
+
+
+def test_iteration_log_keeps_the_generate_an_iteration_started_in_across_a_fork():
+    """The forked engine writes, the client reads; an iteration that ends after the client
+    stopped the log still counts for the generate it began in; past its capacity, nothing."""
+    from benchmarks.step_alternation import IterationLog, REPEATED
+
+    log = IterationLog(capacity=3)
+    log.start_generate(5)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            started_in = log.generate
+            log.append(0.002, True, False, REPEATED, started_in)
+            log.stop()  # the client, meanwhile
+            log.append(0.003, True, True, REPEATED, started_in)
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert log.count == 2 and log.generate == -1
+    assert log.rows[:2, 4].tolist() == [5.0, 5.0]
+    assert log.rows[:2, 0].tolist() == [0.002, 0.003]
+    for _ in range(3):
+        log.append(0.001, False, False, REPEATED, 6)
+    assert log.count == 3
+
+
+def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_path, monkeypatch):
+    import numpy as np
+    import torch
+
+    from benchmarks import step_alternation as SA
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["step_alternation.py", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="runs on a GPU"):
+        SA.main()
+    rng = np.random.default_rng(2)
+    costs = {"host": 30.0, "host_before": 0.0, "nodes": 0.0, "nodes_before": 0.0}
+    rows = [(0.0028, 0.0, 1.0, SA.NO_STEP, 0) for _ in range(64)]
+    rows += _alternating_rows(1, costs, 2800.0, rng, noise_us=2.0, iterations=64)
+    np.save(tmp_path / "log.npy", np.array(rows))
+    monkeypatch.setattr(sys, "argv", ["step_alternation.py", "--out", str(tmp_path / "again"),
+                                      "--analyse", str(tmp_path / "log.npy")])
+    assert SA.main() == 0
+    summary = json.loads((tmp_path / "again" / "step_alternation.json").read_text())
+    assert summary["capture_generates"] == summary["idle_generates"] == 1
+    assert summary["fitted_generates"] == 1
+    assert summary["host"] is None  # one generate: no interval over generates
+    assert summary["generate_vs_idle"]["pairs"] == 1

@@ -1,0 +1,345 @@
+#!/usr/bin/env python3
+"""What a last-token capture costs one decode step, measured step against neighbouring step.
+
+    python3 benchmarks/step_alternation.py --model 1b --out /tmp/out [--generates 60]
+
+The 1B's generates move by 15% from one to the next with the host's state, so a cost of 1-3% read
+from whole generates needs hundreds of them. Adjacent steps of one generate share that state. Here
+one capture engine (as the benchmark runs it: engine core forked from this process, on CPUs 4-7,
+this client on 0-3) runs the quick suite's decode workload, generates alternating between idle and
+``hidden-last`` (last token, every layer). In a ``hidden-last`` generate, two switches turn on
+and off from one engine iteration to the next:
+
+- host: the session's step path (``begin_step``, ``end_step``) runs as shipped, or, on a steady
+  decode step, is skipped (the decode repeat moves its positions on, a numpy add; the device
+  keeps the repeated plan, which is what a repeat leaves there anyway);
+- nodes: the forward's graph is launched from the stream's copy, with its 16 capture nodes, or
+  from idle's copy, without them (no capture kernel runs).
+
+Iteration ``k`` of the engine (``EngineCoreProc._process_engine_step``: with async scheduling,
+one step's schedule, step path and launch, and the previous step's output) has host on when
+``k // 2`` is even and nodes on when ``k // 4`` is even (``switches_of``), so each generate's
+steady iterations (their step repeated the last one, whether or not the step path ran) fit, by
+least squares, a cost of each switch in its own iteration and in the next (a step's capture
+kernels run on the GPU while the host is in the next iteration; capture's host work could slow
+what follows it). Printed: each cost's mean over generates with its 95% interval, their sums,
+the capture generates' iteration with every switch off and on against the idle generates beside
+them, and whole capture generates against those idle generates. Every iteration is timed and
+logged with what it did, in a shared mapping the forked engine writes (``step_alternation.npy``;
+``--analyse`` reads one again). ``--plain`` runs the capture generates as shipped, every switch
+on in every step, still timed by iteration: whether the alternation itself changes them.
+
+A diagnostic: the rows of these generates are not checked (on skipped steps and without nodes
+they are not what the product captures), and the patches live here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from benchmarks import report as R  # noqa: E402
+from benchmarks import scenarios as S  # noqa: E402
+from benchmarks.profile_step import capture_and_generate, quick_decode_engine  # noqa: E402
+from benchmarks.run import descendants, pin  # noqa: E402
+
+# What an iteration's step path did (the log's "step" column).
+NO_STEP, PLANNED, REPEATED, SKIPPED = 0, 1, 2, 3
+# Log columns: duration (s), host on, nodes launched, step path kind, generate index.
+COLUMNS = 5
+
+
+class IterationLog:
+    """One row per engine iteration, in anonymous shared pages made before the engine forks."""
+
+    def __init__(self, capacity: int = 1 << 20):
+        self.capacity = capacity
+        self._map = mmap.mmap(-1, 8 * (COLUMNS * capacity + 2))
+        values = np.frombuffer(self._map, dtype=np.float64)
+        self._head = values[:2]  # rows written, the current generate's index (-1: not logging)
+        self.rows = values[2:].reshape(capacity, COLUMNS)
+        self._head[1] = -1
+
+    @property
+    def count(self) -> int:
+        return int(self._head[0])
+
+    def start_generate(self, index: int) -> None:
+        self._head[1] = index
+
+    def stop(self) -> None:
+        self._head[1] = -1
+
+    @property
+    def generate(self) -> int:
+        return int(self._head[1])
+
+    def append(self, duration: float, host: bool, nodes: bool, step: int, generate: int) -> None:
+        i = int(self._head[0])
+        if i < self.capacity:
+            self.rows[i] = (duration, host, nodes, step, generate)
+            self._head[0] = i + 1
+
+
+def switches_of(iteration: int) -> tuple[bool, bool]:
+    """Whether engine iteration ``iteration`` runs the step path and launches the capture nodes.
+    Each is on half the time, and whatever this iteration does, the one before ran the step path
+    as often as not, and launched the nodes as often as not where this one runs the step path or
+    not; only the nodes follow the nodes (three times in four): each switch's cost in its own
+    iteration and in the next can be told apart (the regression's columns are independent)."""
+    return (iteration // 2) % 2 == 0, (iteration // 4) % 2 == 0
+
+
+class Alternation:
+    """The patches, and the engine-side state they share (one engine process, one thread)."""
+
+    def __init__(self, log: IterationLog, alternate: bool = True):
+        self.log, self.alternate = log, alternate
+        self.iteration = 0
+        self.step_kind = NO_STEP
+        self.nodes_launched = True
+        self.last_shape = None
+
+    @property
+    def host_on(self) -> bool:
+        return not self.alternate or switches_of(self.iteration)[0]
+
+    @property
+    def nodes_on(self) -> bool:
+        return not self.alternate or switches_of(self.iteration)[1]
+
+    def install(self) -> None:
+        from vllm.v1.engine.core import EngineCoreProc
+
+        from vllm_capture.capture_graph import graph_nodes
+        from vllm_capture.session.session import CaptureSession
+
+        alt = self
+        engine_step = EngineCoreProc._process_engine_step
+
+        def timed_engine_step(core):
+            # The generate it started in: the client may stop the log while it runs.
+            generate = alt.log.generate
+            alt.step_kind, alt.nodes_launched = NO_STEP, True
+            t0 = time.perf_counter()
+            try:
+                return engine_step(core)
+            finally:
+                if generate >= 0:
+                    alt.log.append(time.perf_counter() - t0, alt.step_kind != SKIPPED,
+                                   alt.nodes_launched, alt.step_kind, generate)
+                    alt.iteration += 1
+
+        EngineCoreProc._process_engine_step = timed_engine_step
+
+        begin_step = CaptureSession.begin_step
+
+        def alternating_begin_step(session, step):
+            shape = (len(step.req_ids), step.num_rows_padded)
+            repeated_shape, alt.last_shape = shape == alt.last_shape, shape
+            streams = session._active_streams()
+            if (alt.log.generate >= 0 and not alt.host_on and repeated_shape and streams
+                    and all(st.repeat is not None and st.config.reduce != "all" for st in streams)):
+                for st in streams:
+                    st.repeat.next_computed += 1  # what the repeat's advance does
+                alt.step_kind = SKIPPED
+                return
+            repeats = session._repeat_steps
+            begin_step(session, step)
+            alt.step_kind = REPEATED if session._repeat_steps > repeats else PLANNED
+
+        CaptureSession.begin_step = alternating_begin_step
+
+        replay = graph_nodes._KeptGraphMixin.replay
+
+        def alternating_replay(graph):
+            registry = graph_nodes._active
+            if alt.log.generate >= 0 and not alt.nodes_on and registry is not None:
+                entry = registry._graphs.get(id(graph))
+                if entry is not None and entry.draws_random is False:
+                    idle = frozenset(k for k in entry.by_site if k not in registry.pinned)
+                    graph_exec = entry.variants.get(idle)
+                    if graph_exec is not None:
+                        registry.driver.launch(graph_exec, graph_nodes._current_stream())
+                        alt.nodes_launched = False
+                        return
+            replay(graph)
+
+        graph_nodes._KeptGraphMixin.replay = alternating_replay
+
+
+def paired(values: list[float]) -> dict | None:
+    """Mean and 95% t interval of per-generate estimates (microseconds)."""
+    if len(values) < 2:
+        return None
+    mean, half = R.mean_interval(values)
+    return {"us": round(mean, 2), "ci95": [round(mean - half, 2), round(mean + half, 2)],
+            "generates": len(values)}
+
+
+#: The regression's terms: what each iteration did, and what the one before it did.
+TERMS = ("host", "host_before", "nodes", "nodes_before")
+
+
+def fit_generate(mine: np.ndarray) -> dict[str, float] | None:
+    """Least squares over one capture generate's steady iterations (outliers above the 99th
+    percentile left out): duration = base + each term's cost, in microseconds; None where too
+    few iterations are steady or the switches did not alternate."""
+    # The step path ran in a planned iteration too (one before a steady one, say).
+    host = np.isin(mine[:, 3], (PLANNED, REPEATED)).astype(float)
+    nodes = mine[:, 2]
+    steady = np.isin(mine[:, 3], (REPEATED, SKIPPED))
+    steady[0] = False  # no iteration before it
+    us = mine[:, 0] * 1e6
+    keep = steady & (us <= np.percentile(us[steady], 99)) if steady.any() else steady
+    if keep.sum() < 32:
+        return None
+    x = np.column_stack([np.ones(len(mine)), host, np.roll(host, 1), nodes, np.roll(nodes, 1)])[keep]
+    if np.linalg.matrix_rank(x) < x.shape[1]:
+        return None  # the switches did not alternate (--plain): no cost can be told apart
+    coef, *_ = np.linalg.lstsq(x, us[keep], rcond=None)
+    return {"base": float(coef[0]), **{t: float(c) for t, c in zip(TERMS, coef[1:])}}
+
+
+def is_capture(generate: int) -> bool:
+    """Generates alternate, idle first: the odd ones capture."""
+    return generate % 2 == 1
+
+
+def analyse(rows: np.ndarray) -> dict:
+    """Each switch's cost in its own iteration and in the next (regression per capture generate,
+    interval over generates); the capture generates' iteration with every switch off (the fitted
+    base) and on against the idle generates' median steady iteration just before and after; and
+    whole generates (every iteration, the switches as they alternated) against those beside
+    them."""
+    fits, medians, totals = {}, {}, {}
+    for g in np.unique(rows[:, 4]).astype(int):
+        mine = rows[rows[:, 4] == g]
+        totals[g] = float(mine[:, 0].sum())
+        # Past the prefill and first decode steps: the steady iterations.
+        medians[g] = float(np.median(mine[4:-1, 0])) * 1e6
+        if is_capture(g):
+            fit = fit_generate(mine)
+            if fit is not None:
+                fits[g] = fit
+    captures = [g for g in totals if is_capture(g)]
+    idle = {g: medians[g] for g in totals if not is_capture(g)}
+
+    def against_idle(generates, value) -> list[float]:
+        """``value(g)`` less the mean of the idle generates just before and after ``g``."""
+        out = []
+        for g in generates:
+            near = [h for h in (g - 1, g + 1) if h in idle]
+            if near:
+                out.append(value(g, near))
+        return out
+    out: dict = {name: paired([f[name] for f in fits.values()]) for name in TERMS}
+    out["host_total"] = paired([f["host"] + f["host_before"] for f in fits.values()])
+    out["nodes_total"] = paired([f["nodes"] + f["nodes_before"] for f in fits.values()])
+    out["base_us"] = paired([f["base"] for f in fits.values()])
+    for name, value in (("base_vs_idle", lambda f: f["base"]),
+                        ("all_on_vs_idle", lambda f: f["base"] + sum(f[t] for t in TERMS))):
+        out[name] = paired(against_idle(
+            fits, lambda g, near, v=value: v(fits[g]) - statistics.fmean(idle[h] for h in near)))
+    # Every capture generate, fitted or not (--plain: nothing to fit), as it ran: its median
+    # steady iteration, and the whole generate as idle's speed over its (below 1: slower).
+    out["iteration_vs_idle"] = paired(against_idle(
+        captures, lambda g, near: medians[g] - statistics.fmean(idle[h] for h in near)))
+    out["generate_vs_idle"] = R.geometric_mean_interval(against_idle(
+        captures, lambda g, near: float(np.log(statistics.fmean(totals[h] for h in near)
+                                               / totals[g]))))
+    out["idle_us"] = round(statistics.median(idle.values()), 1) if idle else None
+    capture = rows[np.isin(rows[:, 4], captures)]
+    out["iterations"] = {"capture": len(capture), "skipped": int(np.sum(capture[:, 3] == SKIPPED)),
+                         "without_nodes": int(np.sum(capture[:, 2] == 0)),
+                         "planned": int(np.sum(capture[:, 3] == PLANNED))}
+    out["capture_generates"], out["fitted_generates"] = len(captures), len(fits)
+    out["idle_generates"] = len(idle)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--analyse", metavar="NPY", help="analyse a saved iteration log "
+                   "(step_alternation.npy) into --out instead of running an engine")
+    p.add_argument("--plain", action="store_true",
+                   help="no switching: capture generates run every step as shipped, timed by "
+                   "iteration beside the idle ones (whether the alternation changes them)")
+    p.add_argument("--generates", type=int, default=60, help="of each kind (idle, capture)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no pair of generates after this many seconds of them")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.analyse:
+        return write_summary(np.load(args.analyse), out)
+    import torch
+
+    if not torch.cuda.is_available():
+        # Off CUDA there are no graphs to launch without nodes, and vLLM's CPU engine runs its
+        # model in a worker process of its own, which the session's patch does not reach.
+        raise SystemExit("step_alternation.py runs on a GPU (--analyse reads a saved log anywhere)")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm_capture import api
+
+    log = IterationLog()
+    Alternation(log, alternate=not args.plain).install()
+    llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
+    if len(os.sched_getaffinity(0)) >= 8:
+        pin([os.getpid()], [0, 1, 2, 3])
+        pin(descendants(os.getpid()), [4, 5, 6, 7])
+    cap = S.SCENARIOS["hidden-last"].capture
+    # Warm-up: idle, then a capture (its graph copies made), then idle again.
+    for c in (None, cap, None):
+        capture_and_generate(llm, c, shape, w, params, prompts)
+        if c is not None:
+            api.fetch_captured(llm, c.stream, clear=True)
+            api.stop_capture(llm, c.stream)
+    started = time.perf_counter()
+    for i in range(2 * args.generates):
+        if args.budget_s is not None and i % 2 == 0 and time.perf_counter() - started > args.budget_s:
+            print(f"budget: {i} generates", flush=True)
+            break
+        c = cap if is_capture(i) else None
+        if c is not None:
+            api.start_capture(llm, c.stream, layers=c.layer_ids(shape), reduce=c.reduce)
+        log.start_generate(i)
+        llm.generate(prompts.make(w), params, use_tqdm=False)
+        log.stop()
+        if c is not None:
+            api.fetch_captured(llm, c.stream, clear=True)
+            api.stop_capture(llm, c.stream)
+    rows = log.rows[:log.count].copy()
+    switched = np.any(rows[:, 3] == SKIPPED) and np.any(rows[:, 2] == 0)
+    if not len(rows) or switched == args.plain:
+        raise SystemExit(f"the patches did not act as asked{' (--plain)' if args.plain else ''}: "
+                         f"{len(rows)} iterations logged, {int(np.sum(rows[:, 3] == SKIPPED))} "
+                         f"skipped the step path, {int(np.sum(rows[:, 2] == 0))} launched "
+                         f"without nodes")
+    np.save(out / "step_alternation.npy", rows)
+    return write_summary(rows, out)
+
+
+def write_summary(rows: np.ndarray, out: Path) -> int:
+    summary = analyse(rows)
+    (out / "step_alternation.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
