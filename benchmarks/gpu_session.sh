@@ -199,10 +199,12 @@ PY
     # (benchmarks/step_alternation.py: idle and hidden-last generates in turn; in a hidden-last
     # generate, the step path and the capture nodes switch on and off from one iteration to the
     # next). REPS, the second argument: generates of each kind, 60 by default; BUDGET_S: seconds
-    # of generates, 240 by default (about 5 minutes with the engine's start); PLAIN=1: capture
-    # generates as shipped, every switch on (whether the alternation itself changes them).
+    # of generates, 240 by default (about 5 minutes with the engine's start); SWITCH: what
+    # alternates, a comma list the capture generates take in turn (both, host, nodes; none:
+    # capture generates as shipped, timed the same way); PERIOD: iterations the step path's
+    # switch stays on, then off (2 by default).
     timeout 420 python3 benchmarks/step_alternation.py --model 1b --out "$OUT" \
-      --generates ${2:-60} --budget-s ${BUDGET_S:-240} ${PLAIN:+--plain} \
+      --generates ${2:-60} --budget-s ${BUDGET_S:-240} --switch ${SWITCH:-both} --period ${PERIOD:-2} \
       >"$OUT/step_alternation.log" 2>&1
     echo "step-alternation rc=$?"; tail -1 "$OUT/step_alternation.log" | cut -c1-1500
     ;;

@@ -26,8 +26,15 @@ what follows it). Printed: each cost's mean over generates with its 95% interval
 the capture generates' iteration with every switch off and on against the idle generates beside
 them, and whole capture generates against those idle generates. Every iteration is timed and
 logged with what it did, in a shared mapping the forked engine writes (``step_alternation.npy``;
-``--analyse`` reads one again). ``--plain`` runs the capture generates as shipped, every switch
-on in every step, still timed by iteration: whether the alternation itself changes them.
+``--analyse`` reads one again).
+
+``--switch`` says what alternates, a comma list that the capture generates take in turn, each
+kind read apart against the idle generates beside its own: ``both`` (the default), ``host`` or
+``nodes`` (one switch, the other on throughout), ``none`` (capture generates as shipped, every
+switch on in every step, still timed by iteration). Session 29, one run each: ``both`` 1.022
+of idle's speed, ``none`` 0.957; ``--switch both,none`` puts the two in one run. ``--period N``
+keeps the step path's switch N iterations on, then N off (the nodes' 2N): a cost that needs
+consecutive capturing steps shows in longer periods.
 
 A diagnostic: the rows of these generates are not checked (on skipped steps and without nodes
 they are not what the product captures), and the patches live here.
@@ -57,8 +64,10 @@ from benchmarks.run import descendants, pin  # noqa: E402
 
 # What an iteration's step path did (the log's "step" column).
 NO_STEP, PLANNED, REPEATED, SKIPPED = 0, 1, 2, 3
-# Log columns: duration (s), host on, nodes launched, step path kind, generate index.
-COLUMNS = 5
+# Log columns: duration (s), host on, nodes launched, step path kind, generate index, and what
+# the generate switched (an index into SWITCHES; logs of session 29 lack it).
+COLUMNS = 6
+HEAD = 3  # rows written, the current generate's index (-1: not logging), what it switches
 
 
 class IterationLog:
@@ -66,17 +75,18 @@ class IterationLog:
 
     def __init__(self, capacity: int = 1 << 20):
         self.capacity = capacity
-        self._map = mmap.mmap(-1, 8 * (COLUMNS * capacity + 2))
+        self._map = mmap.mmap(-1, 8 * (COLUMNS * capacity + HEAD))
         values = np.frombuffer(self._map, dtype=np.float64)
-        self._head = values[:2]  # rows written, the current generate's index (-1: not logging)
-        self.rows = values[2:].reshape(capacity, COLUMNS)
+        self._head = values[:HEAD]
+        self.rows = values[HEAD:].reshape(capacity, COLUMNS)
         self._head[1] = -1
 
     @property
     def count(self) -> int:
         return int(self._head[0])
 
-    def start_generate(self, index: int) -> None:
+    def start_generate(self, index: int, switch: str = "both") -> None:
+        self._head[2] = SWITCH_NAMES.index(switch)
         self._head[1] = index
 
     def stop(self) -> None:
@@ -86,27 +96,39 @@ class IterationLog:
     def generate(self) -> int:
         return int(self._head[1])
 
-    def append(self, duration: float, host: bool, nodes: bool, step: int, generate: int) -> None:
+    @property
+    def switch(self) -> str:
+        return SWITCH_NAMES[int(self._head[2])]
+
+    def append(self, duration: float, host: bool, nodes: bool, step: int, generate: int,
+               switch: str = "both") -> None:
         i = int(self._head[0])
         if i < self.capacity:
-            self.rows[i] = (duration, host, nodes, step, generate)
+            self.rows[i] = (duration, host, nodes, step, generate, SWITCH_NAMES.index(switch))
             self._head[0] = i + 1
 
 
-def switches_of(iteration: int) -> tuple[bool, bool]:
+def switches_of(iteration: int, period: int = 2) -> tuple[bool, bool]:
     """Whether engine iteration ``iteration`` runs the step path and launches the capture nodes.
     Each is on half the time, and whatever this iteration does, the one before ran the step path
     as often as not, and launched the nodes as often as not where this one runs the step path or
     not; only the nodes follow the nodes (three times in four): each switch's cost in its own
     iteration and in the next can be told apart (the regression's columns are independent)."""
-    return (iteration // 2) % 2 == 0, (iteration // 4) % 2 == 0
+    return (iteration // period) % 2 == 0, (iteration // (2 * period)) % 2 == 0
+
+
+#: What ``--switch`` alternates: (the step path, the capture nodes).
+SWITCHES = {"both": (True, True), "host": (True, False), "nodes": (False, True),
+            "none": (False, False)}
+SWITCH_NAMES = tuple(SWITCHES)
 
 
 class Alternation:
     """The patches, and the engine-side state they share (one engine process, one thread)."""
 
-    def __init__(self, log: IterationLog, alternate: bool = True):
-        self.log, self.alternate = log, alternate
+    def __init__(self, log: IterationLog, period: int = 2):
+        self.log, self.period = log, period
+        self.switch = "both"  # what the current iteration's generate switches
         self.iteration = 0
         self.step_kind = NO_STEP
         self.nodes_launched = True
@@ -114,11 +136,11 @@ class Alternation:
 
     @property
     def host_on(self) -> bool:
-        return not self.alternate or switches_of(self.iteration)[0]
+        return not SWITCHES[self.switch][0] or switches_of(self.iteration, self.period)[0]
 
     @property
     def nodes_on(self) -> bool:
-        return not self.alternate or switches_of(self.iteration)[1]
+        return not SWITCHES[self.switch][1] or switches_of(self.iteration, self.period)[1]
 
     def install(self) -> None:
         from vllm.v1.engine.core import EngineCoreProc
@@ -131,7 +153,7 @@ class Alternation:
 
         def timed_engine_step(core):
             # The generate it started in: the client may stop the log while it runs.
-            generate = alt.log.generate
+            generate, alt.switch = alt.log.generate, alt.log.switch
             alt.step_kind, alt.nodes_launched = NO_STEP, True
             t0 = time.perf_counter()
             try:
@@ -139,7 +161,7 @@ class Alternation:
             finally:
                 if generate >= 0:
                     alt.log.append(time.perf_counter() - t0, alt.step_kind != SKIPPED,
-                                   alt.nodes_launched, alt.step_kind, generate)
+                                   alt.nodes_launched, alt.step_kind, generate, alt.switch)
                     alt.iteration += 1
 
         EngineCoreProc._process_engine_step = timed_engine_step
@@ -195,8 +217,9 @@ TERMS = ("host", "host_before", "nodes", "nodes_before")
 
 def fit_generate(mine: np.ndarray) -> dict[str, float] | None:
     """Least squares over one capture generate's steady iterations (outliers above the 99th
-    percentile left out): duration = base + each term's cost, in microseconds; None where too
-    few iterations are steady or the switches did not alternate."""
+    percentile left out): duration = base + each term's cost, in microseconds, for the switches
+    that alternated (a switch on throughout is part of the base); None where too few iterations
+    are steady or no switch alternated."""
     # The step path ran in a planned iteration too (one before a steady one, say).
     host = np.isin(mine[:, 3], (PLANNED, REPEATED)).astype(float)
     nodes = mine[:, 2]
@@ -206,68 +229,109 @@ def fit_generate(mine: np.ndarray) -> dict[str, float] | None:
     keep = steady & (us <= np.percentile(us[steady], 99)) if steady.any() else steady
     if keep.sum() < 32:
         return None
-    x = np.column_stack([np.ones(len(mine)), host, np.roll(host, 1), nodes, np.roll(nodes, 1)])[keep]
+    columns = {"host": host, "host_before": np.roll(host, 1),
+               "nodes": nodes, "nodes_before": np.roll(nodes, 1)}
+    terms = [t for t in TERMS if np.ptp(columns[t.removesuffix("_before")][keep]) > 0]
+    if not terms:
+        return None
+    x = np.column_stack([np.ones(len(mine))] + [columns[t] for t in terms])[keep]
     if np.linalg.matrix_rank(x) < x.shape[1]:
-        return None  # the switches did not alternate (--plain): no cost can be told apart
+        return None
     coef, *_ = np.linalg.lstsq(x, us[keep], rcond=None)
-    return {"base": float(coef[0]), **{t: float(c) for t, c in zip(TERMS, coef[1:])}}
+    return {"base": float(coef[0]), **{t: float(c) for t, c in zip(terms, coef[1:])}}
 
 
-def is_capture(generate: int) -> bool:
-    """Generates alternate, idle first: the odd ones capture."""
+def is_capture(generate):
+    """Generates alternate, idle first: the odd ones capture (an int, or an array of them)."""
     return generate % 2 == 1
 
 
-def analyse(rows: np.ndarray) -> dict:
-    """Each switch's cost in its own iteration and in the next (regression per capture generate,
-    interval over generates); the capture generates' iteration with every switch off (the fitted
-    base) and on against the idle generates' median steady iteration just before and after; and
-    whole generates (every iteration, the switches as they alternated) against those beside
-    them."""
-    fits, medians, totals = {}, {}, {}
+def analyse(rows: np.ndarray, switch: str = "both") -> dict:
+    """By what the capture generates switched (the log's column, or ``switch`` for a log
+    without it): each switch's cost in its own iteration and in the next (regression per
+    capture generate, interval over generates); the capture generates' iteration with every
+    switch off (the fitted base) and on, and their median steady iteration, against the idle
+    generates' median steady iteration just before and after; and whole generates against
+    those beside them. The idle generates' median steady iteration, and how many there are."""
+    fits, medians, totals, kinds = {}, {}, {}, {}
     for g in np.unique(rows[:, 4]).astype(int):
         mine = rows[rows[:, 4] == g]
         totals[g] = float(mine[:, 0].sum())
         # Past the prefill and first decode steps: the steady iterations.
         medians[g] = float(np.median(mine[4:-1, 0])) * 1e6
         if is_capture(g):
+            kinds[g] = SWITCH_NAMES[int(mine[0, 5])] if rows.shape[1] > 5 else switch
             fit = fit_generate(mine)
             if fit is not None:
                 fits[g] = fit
-    captures = [g for g in totals if is_capture(g)]
     idle = {g: medians[g] for g in totals if not is_capture(g)}
 
     def against_idle(generates, value) -> list[float]:
-        """``value(g)`` less the mean of the idle generates just before and after ``g``."""
-        out = []
-        for g in generates:
-            near = [h for h in (g - 1, g + 1) if h in idle]
-            if near:
-                out.append(value(g, near))
-        return out
-    out: dict = {name: paired([f[name] for f in fits.values()]) for name in TERMS}
-    out["host_total"] = paired([f["host"] + f["host_before"] for f in fits.values()])
-    out["nodes_total"] = paired([f["nodes"] + f["nodes_before"] for f in fits.values()])
-    out["base_us"] = paired([f["base"] for f in fits.values()])
-    for name, value in (("base_vs_idle", lambda f: f["base"]),
-                        ("all_on_vs_idle", lambda f: f["base"] + sum(f[t] for t in TERMS))):
-        out[name] = paired(against_idle(
-            fits, lambda g, near, v=value: v(fits[g]) - statistics.fmean(idle[h] for h in near)))
-    # Every capture generate, fitted or not (--plain: nothing to fit), as it ran: its median
-    # steady iteration, and the whole generate as idle's speed over its (below 1: slower).
-    out["iteration_vs_idle"] = paired(against_idle(
-        captures, lambda g, near: medians[g] - statistics.fmean(idle[h] for h in near)))
-    out["generate_vs_idle"] = R.geometric_mean_interval(against_idle(
-        captures, lambda g, near: float(np.log(statistics.fmean(totals[h] for h in near)
-                                               / totals[g]))))
-    out["idle_us"] = round(statistics.median(idle.values()), 1) if idle else None
-    capture = rows[np.isin(rows[:, 4], captures)]
-    out["iterations"] = {"capture": len(capture), "skipped": int(np.sum(capture[:, 3] == SKIPPED)),
-                         "without_nodes": int(np.sum(capture[:, 2] == 0)),
-                         "planned": int(np.sum(capture[:, 3] == PLANNED))}
-    out["capture_generates"], out["fitted_generates"] = len(captures), len(fits)
-    out["idle_generates"] = len(idle)
-    return out
+        """``value(g, near)``: ``near``, the idle generates just before and after ``g``."""
+        return [value(g, near) for g in generates
+                if (near := [h for h in (g - 1, g + 1) if h in idle])]
+
+    def idle_us(near) -> float:
+        return statistics.fmean(idle[h] for h in near)
+
+    by_switch = {}
+    for kind in dict.fromkeys(kinds.values()):
+        captures = [g for g, k in kinds.items() if k == kind]
+        fitted = {g: fits[g] for g in captures if g in fits}
+        out: dict = {name: paired([f[name] for f in fitted.values() if name in f])
+                     for name in TERMS}
+        for name in ("host", "nodes"):
+            out[f"{name}_total"] = paired([f[name] + f[f"{name}_before"]
+                                           for f in fitted.values() if name in f])
+        out["base_us"] = paired([f["base"] for f in fitted.values()])
+        out["base_vs_idle"] = paired(against_idle(
+            fitted, lambda g, near: fits[g]["base"] - idle_us(near)))
+        out["all_on_vs_idle"] = paired(against_idle(
+            fitted, lambda g, near: fits[g]["base"] + sum(fits[g].get(t, 0.0) for t in TERMS)
+            - idle_us(near)))
+        # Every capture generate, fitted or not (nothing to fit where nothing switched), as it
+        # ran: its median steady iteration, and the whole generate as idle's speed over its
+        # (below 1: slower).
+        out["iteration_vs_idle"] = paired(against_idle(
+            captures, lambda g, near: medians[g] - idle_us(near)))
+        out["generate_vs_idle"] = R.geometric_mean_interval(against_idle(
+            captures, lambda g, near: float(np.log(statistics.fmean(totals[h] for h in near)
+                                                   / totals[g]))))
+        capture = rows[np.isin(rows[:, 4], captures)]
+        out["iterations"] = {"capture": len(capture),
+                             "skipped": int(np.sum(capture[:, 3] == SKIPPED)),
+                             "without_nodes": int(np.sum(capture[:, 2] == 0)),
+                             "planned": int(np.sum(capture[:, 3] == PLANNED))}
+        out["capture_generates"], out["fitted_generates"] = len(captures), len(fitted)
+        by_switch[kind] = out
+    return {"switches": by_switch,
+            "idle_us": round(statistics.median(idle.values()), 1) if idle else None,
+            "idle_generates": len(idle)}
+
+
+def parse_switches(text: str) -> list[str]:
+    """``--switch``: a comma list of SWITCHES, which the capture generates take in turn."""
+    kinds = [k for k in text.split(",") if k]
+    unknown = [k for k in kinds if k not in SWITCHES]
+    if not kinds or unknown:
+        raise ValueError(f"--switch: {', '.join(unknown) or repr(text)} not among "
+                         f"{', '.join(SWITCHES)}")
+    return kinds
+
+
+def check_switches(rows: np.ndarray) -> str | None:
+    """Whether each capture generate's iterations did what it asked (its log column): what
+    went wrong, or None."""
+    for kind in SWITCH_NAMES:
+        mine = rows[(rows[:, 5] == SWITCH_NAMES.index(kind)) & is_capture(rows[:, 4].astype(int))]
+        if not len(mine):
+            continue
+        acted = (bool(np.any(mine[:, 3] == SKIPPED)), bool(np.any(mine[:, 2] == 0)))
+        if acted != SWITCHES[kind]:
+            return (f"the patches did not act as --switch {kind} asks: {len(mine)} iterations "
+                    f"logged, {int(np.sum(mine[:, 3] == SKIPPED))} skipped the step path, "
+                    f"{int(np.sum(mine[:, 2] == 0))} launched without nodes")
+    return None
 
 
 def main() -> int:
@@ -276,17 +340,32 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--analyse", metavar="NPY", help="analyse a saved iteration log "
                    "(step_alternation.npy) into --out instead of running an engine")
-    p.add_argument("--plain", action="store_true",
-                   help="no switching: capture generates run every step as shipped, timed by "
-                   "iteration beside the idle ones (whether the alternation changes them)")
-    p.add_argument("--generates", type=int, default=60, help="of each kind (idle, capture)")
+    p.add_argument("--switch", default="both",
+                   help="what alternates in a capture generate, a comma list that the capture "
+                   "generates take in turn: both (default), host (the step path only), nodes "
+                   "(the capture nodes only), none (capture generates as shipped, timed by "
+                   "iteration beside the idle ones); for --analyse of a log without the "
+                   "column, what its capture generates switched")
+    p.add_argument("--period", type=int, default=2,
+                   help="iterations the step path's switch stays on, then off (the nodes': "
+                   "twice that); default 2")
+    p.add_argument("--generates", type=int, default=60,
+                   help="idle generates, and as many capture generates")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no pair of generates after this many seconds of them")
     args = p.parse_args()
+    if args.period < 1:
+        p.error(f"--period: {args.period} is not a number of iterations (1 or more)")
+    try:
+        kinds = parse_switches(args.switch)
+    except ValueError as exc:
+        p.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.analyse:
-        return write_summary(np.load(args.analyse), out)
+        return write_summary(np.load(args.analyse), out, kinds[0])
+    # Asked of NVML: CUDA initialised here would fail the engine core forked from this process.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
     if not torch.cuda.is_available():
@@ -297,7 +376,7 @@ def main() -> int:
     from vllm_capture import api
 
     log = IterationLog()
-    Alternation(log, alternate=not args.plain).install()
+    Alternation(log, args.period).install()
     llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
     if len(os.sched_getaffinity(0)) >= 8:
         pin([os.getpid()], [0, 1, 2, 3])
@@ -317,25 +396,22 @@ def main() -> int:
         c = cap if is_capture(i) else None
         if c is not None:
             api.start_capture(llm, c.stream, layers=c.layer_ids(shape), reduce=c.reduce)
-        log.start_generate(i)
+        log.start_generate(i, "none" if c is None else kinds[(i // 2) % len(kinds)])
         llm.generate(prompts.make(w), params, use_tqdm=False)
         log.stop()
         if c is not None:
             api.fetch_captured(llm, c.stream, clear=True)
             api.stop_capture(llm, c.stream)
     rows = log.rows[:log.count].copy()
-    switched = np.any(rows[:, 3] == SKIPPED) and np.any(rows[:, 2] == 0)
-    if not len(rows) or switched == args.plain:
-        raise SystemExit(f"the patches did not act as asked{' (--plain)' if args.plain else ''}: "
-                         f"{len(rows)} iterations logged, {int(np.sum(rows[:, 3] == SKIPPED))} "
-                         f"skipped the step path, {int(np.sum(rows[:, 2] == 0))} launched "
-                         f"without nodes")
+    wrong = "no iteration was logged" if not len(rows) else check_switches(rows)
+    if wrong:
+        raise SystemExit(wrong)
     np.save(out / "step_alternation.npy", rows)
     return write_summary(rows, out)
 
 
-def write_summary(rows: np.ndarray, out: Path) -> int:
-    summary = analyse(rows)
+def write_summary(rows: np.ndarray, out: Path, switch: str = "both") -> int:
+    summary = analyse(rows, switch)
     (out / "step_alternation.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary), flush=True)
     return 0

@@ -1340,23 +1340,34 @@ def test_full_graph_desc_picks_the_full_graph_of_the_decode_batch():
 # ---- step_alternation: a switch's cost, iteration against neighbouring iteration ---------------
 
 def _alternating_rows(generate: int, costs: dict[str, float], base_us: float, rng,
-                      noise_us: float = 30.0, iterations: int = 256, first: int = 0):
-    """One capture generate's log rows (duration, host, nodes, step, generate) with the costs
-    (us) that ``fit_generate`` should find, the switches as the engine alternates them."""
+                      noise_us: float = 30.0, iterations: int = 256, first: int = 0,
+                      switch: str = "both", period: int = 2):
+    """One capture generate's log rows (duration, host, nodes, step, generate, switch) with the
+    costs (us) that ``fit_generate`` should find, the switches as the engine alternates them."""
     from benchmarks import step_alternation as SA
 
     rows, prev = [], (0.0, 0.0)
+    alternate = SA.SWITCHES[switch]
     for i in range(iterations):
-        host, nodes = map(float, SA.switches_of(first + i))
+        on = SA.switches_of(first + i, period)
+        host, nodes = (float(o or not a) for o, a in zip(on, alternate))
         step = SA.PLANNED if i < 2 else (SA.REPEATED if host else SA.SKIPPED)
         if step == SA.PLANNED:
             host = 1.0
         us = (base_us + costs["host"] * host + costs["host_before"] * prev[0]
               + costs["nodes"] * nodes + costs["nodes_before"] * prev[1]
               + rng.normal(0.0, noise_us))
-        rows.append((us * 1e-6, host, nodes, step, generate))
+        rows.append((us * 1e-6, host, nodes, step, generate, SA.SWITCH_NAMES.index(switch)))
         prev = (host, nodes)
     return rows
+
+
+def _idle_rows(generate: int, us: float, rng, noise_us: float = 5.0, iterations: int = 256):
+    from benchmarks import step_alternation as SA
+
+    none = SA.SWITCH_NAMES.index("none")
+    return [(rng.normal(us, noise_us) * 1e-6, 0.0, 1.0, SA.NO_STEP, generate, none)
+            for _ in range(iterations)]
 
 
 def test_switch_patterns_let_each_switch_and_the_one_before_be_told_apart():
@@ -1367,6 +1378,8 @@ def test_switch_patterns_let_each_switch_and_the_one_before_be_told_apart():
 
     from benchmarks.step_alternation import switches_of
 
+    assert [switches_of(k, period=3) for k in (0, 2, 3, 5, 6)] == [
+        (True, True), (True, True), (False, True), (False, True), (True, False)]
     on = np.array([switches_of(k) for k in range(64)], dtype=float)
     host, nodes = on[:, 0], on[:, 1]
     assert host.mean() == nodes.mean() == 0.5
@@ -1397,6 +1410,25 @@ def test_fit_generate_finds_each_switchs_cost_in_its_iteration_and_the_next():
     assert fit_generate(rows[:30]) is None
 
 
+def test_fit_generate_fits_the_switch_that_alternated_and_takes_the_other_as_base():
+    import numpy as np
+
+    from benchmarks.step_alternation import fit_generate
+
+    rng = np.random.default_rng(5)
+    costs = {"host": 40.0, "host_before": 0.0, "nodes": 25.0, "nodes_before": 5.0}
+    host_only = fit_generate(np.array(_alternating_rows(1, costs, 2800.0, rng, switch="host",
+                                                        period=8)))
+    assert set(host_only) == {"base", "host", "host_before"}
+    assert host_only["base"] == pytest.approx(2800.0 + 25.0 + 5.0, abs=12)  # the nodes on
+    assert host_only["host"] == pytest.approx(40.0, abs=12)
+    nodes_only = fit_generate(np.array(_alternating_rows(1, costs, 2800.0, rng, switch="nodes")))
+    assert set(nodes_only) == {"base", "nodes", "nodes_before"}
+    assert nodes_only["nodes"] == pytest.approx(25.0, abs=12)
+    # Nothing alternated: nothing to fit.
+    assert fit_generate(np.array(_alternating_rows(1, costs, 2800.0, rng, switch="none"))) is None
+
+
 def test_analyse_reads_capture_generates_against_the_idle_generates_beside_them():
     import numpy as np
 
@@ -1406,12 +1438,12 @@ def test_analyse_reads_capture_generates_against_the_idle_generates_beside_them(
     costs = {"host": 40.0, "host_before": 0.0, "nodes": 0.0, "nodes_before": 0.0}
     rows = []
     for g in range(6):
-        if SA.is_capture(g):
-            rows += _alternating_rows(g, costs, 2900.0, rng, noise_us=5.0)
-        else:  # idle: every iteration repeats, nothing on
-            rows += [(rng.normal(2800.0, 5.0) * 1e-6, 0.0, 1.0, SA.NO_STEP, g) for _ in range(256)]
-    out = SA.analyse(np.array(rows))
-    assert out["capture_generates"] == out["fitted_generates"] == out["idle_generates"] == 3
+        rows += (_alternating_rows(g, costs, 2900.0, rng, noise_us=5.0) if SA.is_capture(g)
+                 else _idle_rows(g, 2800.0, rng))
+    summary = SA.analyse(np.array(rows))
+    assert summary["idle_generates"] == 3 and list(summary["switches"]) == ["both"]
+    out = summary["switches"]["both"]
+    assert out["capture_generates"] == out["fitted_generates"] == 3
     assert out["host"]["us"] == pytest.approx(40.0, abs=3)
     assert out["host_total"]["us"] == pytest.approx(40.0, abs=4)
     assert out["base_vs_idle"]["us"] == pytest.approx(100.0, abs=4)
@@ -1423,52 +1455,88 @@ def test_analyse_reads_capture_generates_against_the_idle_generates_beside_them(
     assert out["iterations"]["planned"] == 6 and out["iterations"]["capture"] == 3 * 256
 
 
-def test_analyse_reads_plain_capture_generates_whole_without_a_fit():
-    """--plain: every switch on in every step, so nothing to fit; the capture generates are
-    still read against the idle ones beside them."""
+def test_analyse_reads_each_switch_kind_of_one_run_apart():
+    """Capture generates taking --switch both,none in turn: each kind against the idle
+    generates beside its own; the plain ones have nothing to fit."""
     import numpy as np
 
     from benchmarks import step_alternation as SA
 
     rng = np.random.default_rng(3)
+    costs = {"host": 40.0, "host_before": 0.0, "nodes": 0.0, "nodes_before": 0.0}
     rows = []
-    for g in range(4):
-        us = 2870.0 if SA.is_capture(g) else 2800.0
-        kind = SA.REPEATED if SA.is_capture(g) else SA.NO_STEP
-        rows += [(rng.normal(us, 5.0) * 1e-6, 1.0, 1.0, kind, g) for _ in range(256)]
-    out = SA.analyse(np.array(rows))
-    assert (out["capture_generates"], out["fitted_generates"], out["idle_generates"]) == (2, 0, 2)
-    assert out["host"] is None and out["base_vs_idle"] is None
-    assert out["iteration_vs_idle"]["us"] == pytest.approx(70.0, abs=3)
-    assert out["generate_vs_idle"]["value"] == pytest.approx(2800 / 2870, rel=0.002)
+    for g in range(8):
+        if not SA.is_capture(g):
+            rows += _idle_rows(g, 2800.0, rng)
+        elif (g // 2) % 2 == 0:
+            rows += _alternating_rows(g, costs, 2800.0, rng, noise_us=5.0)
+        else:  # as shipped: 120 us an iteration more
+            rows += _alternating_rows(g, {**costs, "host": 120.0}, 2800.0, rng, noise_us=5.0,
+                                      switch="none")
+    summary = SA.analyse(np.array(rows))
+    both, none = summary["switches"]["both"], summary["switches"]["none"]
+    assert (both["capture_generates"], both["fitted_generates"]) == (2, 2)
+    assert (none["capture_generates"], none["fitted_generates"]) == (2, 0)
+    assert both["host"]["us"] == pytest.approx(40.0, abs=3)
+    assert none["host"] is None and none["base_vs_idle"] is None
+    assert none["iteration_vs_idle"]["us"] == pytest.approx(120.0, abs=3)
+    assert none["generate_vs_idle"]["value"] == pytest.approx(2800 / 2920, rel=0.002)
+    assert both["generate_vs_idle"]["value"] == pytest.approx(2800 / 2820, rel=0.002)
+
+
+def test_check_switches_names_a_kind_whose_iterations_did_otherwise():
+    import numpy as np
+
+    from benchmarks import step_alternation as SA
+
+    rng = np.random.default_rng(6)
+    costs = {"host": 0.0, "host_before": 0.0, "nodes": 0.0, "nodes_before": 0.0}
+    good = _idle_rows(0, 2800.0, rng) + _alternating_rows(1, costs, 2800.0, rng, switch="host") \
+        + _idle_rows(2, 2800.0, rng) + _alternating_rows(3, costs, 2800.0, rng, switch="none")
+    assert SA.check_switches(np.array(good)) is None
+    # A "host" generate whose graphs went out without nodes: the replay patch did more than asked.
+    bad = np.array(good)
+    bad[300, 2] = 0.0
+    assert "--switch host asks" in SA.check_switches(bad)
+    # A "both" generate that never skipped the step path: the step patch did not reach it.
+    never = np.array(_idle_rows(0, 2800.0, rng)
+                     + _alternating_rows(1, costs, 2800.0, rng, switch="nodes"))
+    never[never[:, 4] == 1, 5] = SA.SWITCH_NAMES.index("both")
+    assert "--switch both asks" in SA.check_switches(never)
+    assert SA.parse_switches("both,none") == ["both", "none"]
+    with pytest.raises(ValueError, match="sometimes not among"):
+        SA.parse_switches("both,sometimes")
 
 
 def test_iteration_log_keeps_the_generate_an_iteration_started_in_across_a_fork():
     """The forked engine writes, the client reads; an iteration that ends after the client
-    stopped the log still counts for the generate it began in; past its capacity, nothing."""
-    from benchmarks.step_alternation import IterationLog, REPEATED
+    stopped the log still counts for the generate it began in, with what it switched; past its
+    capacity, nothing."""
+    from benchmarks.step_alternation import REPEATED, SWITCH_NAMES, IterationLog
 
     log = IterationLog(capacity=3)
-    log.start_generate(5)
+    log.start_generate(5, "nodes")
     pid = os.fork()
     if pid == 0:
         try:
-            started_in = log.generate
-            log.append(0.002, True, False, REPEATED, started_in)
+            started_in, switch = log.generate, log.switch
+            log.append(0.002, True, False, REPEATED, started_in, switch)
             log.stop()  # the client, meanwhile
-            log.append(0.003, True, True, REPEATED, started_in)
+            log.append(0.003, True, True, REPEATED, started_in, switch)
         finally:
             os._exit(0)
     assert os.waitpid(pid, 0)[1] == 0
     assert log.count == 2 and log.generate == -1
     assert log.rows[:2, 4].tolist() == [5.0, 5.0]
+    assert log.rows[:2, 5].tolist() == [SWITCH_NAMES.index("nodes")] * 2
     assert log.rows[:2, 0].tolist() == [0.002, 0.003]
     for _ in range(3):
         log.append(0.001, False, False, REPEATED, 6)
     assert log.count == 3
 
 
-def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_path, monkeypatch):
+def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_path, monkeypatch,
+                                                                           capsys):
     import numpy as np
     import torch
 
@@ -1478,16 +1546,24 @@ def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_pa
     monkeypatch.setattr(sys, "argv", ["step_alternation.py", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="runs on a GPU"):
         SA.main()
+    for args, message in ((["--period", "0"], "--period: 0 is not a number of iterations"),
+                          (["--switch", "both,never"], "--switch: never not among")):
+        monkeypatch.setattr(sys, "argv", ["step_alternation.py", "--out", str(tmp_path), *args])
+        with pytest.raises(SystemExit):
+            SA.main()
+        assert message in capsys.readouterr().err
+    # A log of session 29 (five columns: no switch column), its capture generates as shipped.
     rng = np.random.default_rng(2)
     costs = {"host": 30.0, "host_before": 0.0, "nodes": 0.0, "nodes_before": 0.0}
-    rows = [(0.0028, 0.0, 1.0, SA.NO_STEP, 0) for _ in range(64)]
-    rows += _alternating_rows(1, costs, 2800.0, rng, noise_us=2.0, iterations=64)
-    np.save(tmp_path / "log.npy", np.array(rows))
+    rows = _idle_rows(0, 2800.0, rng, iterations=64)
+    rows += _alternating_rows(1, costs, 2800.0, rng, noise_us=2.0, iterations=64, switch="none")
+    np.save(tmp_path / "log.npy", np.array(rows)[:, :5])
     monkeypatch.setattr(sys, "argv", ["step_alternation.py", "--out", str(tmp_path / "again"),
-                                      "--analyse", str(tmp_path / "log.npy")])
+                                      "--analyse", str(tmp_path / "log.npy"), "--switch", "none"])
     assert SA.main() == 0
     summary = json.loads((tmp_path / "again" / "step_alternation.json").read_text())
-    assert summary["capture_generates"] == summary["idle_generates"] == 1
-    assert summary["fitted_generates"] == 1
-    assert summary["host"] is None  # one generate: no interval over generates
-    assert summary["generate_vs_idle"]["pairs"] == 1
+    assert summary["idle_generates"] == 1 and list(summary["switches"]) == ["none"]
+    plain = summary["switches"]["none"]
+    assert (plain["capture_generates"], plain["fitted_generates"]) == (1, 0)
+    assert plain["iteration_vs_idle"] is None  # one generate: no interval over generates
+    assert plain["generate_vs_idle"]["pairs"] == 1
