@@ -166,6 +166,22 @@ def leave_nodes_out(switches: Switches, name: str) -> None:
     state_module.CaptureGraphState.set_enabled = set_enabled_without_nodes
 
 
+def nodes_check(on: tuple[str, ...], rows: int, last_position: int,
+                last_decode: int) -> str | None:
+    """Whether ``nonodes`` acted as switched (``on``), read from a generate's fetched rows and the
+    last position among them: without the nodes, the graphs' decode steps capture nothing, but
+    the prefill (too large for a graph) still runs the op, so a last row stays at the prompt; with
+    them it reaches ``last_decode``. The positions are the step path's to keep, so a case that
+    skips it (``skip``) tells nothing. What went wrong, or None."""
+    if not rows or "skip" in on:
+        return None
+    no_nodes = "nonodes" in on
+    if no_nodes == (last_position < last_decode):
+        return None
+    return (f"last row at position {last_position}; the graph patch "
+            f"{'did not reach' if no_nodes else 'reached'} the engine")
+
+
 #: The engine's step, by phase: (module, class, method, phase name). Each is timed inclusive of
 #: what it calls (``iteration`` holds ``step``, which holds ``schedule``...), on whatever thread
 #: calls it (the engine core's main thread, for all of these); methods of one name add up in one
@@ -392,7 +408,7 @@ def main() -> int:
         suffix = next((x for x in SUFFIX_SWITCHES if case.endswith(x)), "")
         cap = None if case == S.IDLE else S.SCENARIOS[case.removesuffix(suffix)].capture
         on = SUFFIX_SWITCHES.get(suffix, ())
-        drop, no_rows, no_nodes = "drop" in on, "nogpu" in on, "nonodes" in on
+        drop, no_rows = "drop" in on, "nogpu" in on
         for switch in on:
             (flags / switch).touch()
         before, phases_before = timers(), phases.read()
@@ -413,13 +429,11 @@ def main() -> int:
                 if no_rows != (rows == 0):
                     raise SystemExit(f"{case}: {rows} rows fetched; the device patch "
                                      f"{'did not reach' if no_rows else 'reached'} the engine")
-                # Without the nodes, the graphs' decode steps capture nothing, but the prefill
-                # (too large for a graph) still runs the op: a last row stays at the prompt.
                 last = max((int(m.positions.max()) for m in meta.values() if len(m.positions)),
                            default=-1)
-                if rows and no_nodes != (last < w.prompt_len + w.new_tokens - 2):
-                    raise SystemExit(f"{case}: last row at position {last}; the graph patch "
-                                     f"{'did not reach' if no_nodes else 'reached'} the engine")
+                wrong = nodes_check(on, rows, last, w.prompt_len + w.new_tokens - 2)
+                if wrong:
+                    raise SystemExit(f"{case}: {wrong}")
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
         after, phases_after = timers(), phases.read()
         for switch in on:

@@ -1181,6 +1181,20 @@ def test_phase_timers_count_every_call_in_the_forked_engine_and_add_same_named_m
     assert spent["step"]["ms"] >= 0 and spent["schedule"]["ms"] >= 0
 
 
+def test_nodes_check_reads_the_last_rows_position_where_the_step_path_keeps_it():
+    from benchmarks.harvest_ablation import SUFFIX_SWITCHES, nodes_check
+
+    end = 32 + 256 - 2
+    assert nodes_check((), 1024, end, end) is None  # as shipped: the last decode row
+    assert nodes_check(SUFFIX_SWITCHES["-nonodes"], 1024, 31, end) is None  # the prompt's last
+    assert "did not reach" in nodes_check(SUFFIX_SWITCHES["-nonodes"], 1024, end, end)
+    assert "reached" in nodes_check((), 1024, 31, end)
+    # The step path skipped: the positions stop where it last ran, whatever the graphs did.
+    assert nodes_check(SUFFIX_SWITCHES["-nohost"], 1024, 33, end) is None
+    assert nodes_check(SUFFIX_SWITCHES["-bare"], 1024, 33, end) is None
+    assert nodes_check(SUFFIX_SWITCHES["-nonodes"], 0, -1, end) is None  # no rows: nogpu's check
+
+
 def test_print_phase_table_lists_each_cases_difference_from_idle(capsys):
     from benchmarks.harvest_ablation import print_phase_table
 
