@@ -185,13 +185,19 @@ class Alternation:
         CaptureSession.begin_step = alternating_begin_step
 
         replay = graph_nodes._KeptGraphMixin.replay
+        # Each graph's sites but the pinned one, the key of idle's copy: fixed once the graph is
+        # adopted, so made once, not on every launch without nodes (it would cost that launch).
+        idle_keys: dict[int, frozenset] = {}
 
         def alternating_replay(graph):
             registry = graph_nodes._active
             if alt.log.generate >= 0 and not alt.nodes_on and registry is not None:
                 entry = registry._graphs.get(id(graph))
                 if entry is not None and entry.draws_random is False:
-                    idle = frozenset(k for k in entry.by_site if k not in registry.pinned)
+                    idle = idle_keys.get(id(entry))
+                    if idle is None:
+                        idle = idle_keys[id(entry)] = frozenset(
+                            k for k in entry.by_site if k not in registry.pinned)
                     graph_exec = entry.variants.get(idle)
                     if graph_exec is not None:
                         registry.driver.launch(graph_exec, graph_nodes._current_stream())
