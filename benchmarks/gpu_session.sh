@@ -15,6 +15,8 @@ export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=
 export VLLM_CAPTURE_TINY_DIR=/tmp/tiny
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import vllm, torch, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" 2>/dev/null | tee -a "$OUT/gpu.txt"
+# The host's CPUs: the 1B's step waits on them, and its capture cost moved from run to run.
+python3 benchmarks/host_cpu.py | tee -a "$OUT/gpu.txt"
 # PACKAGE_AT=COMMIT runs the set with vllm_capture/ as of COMMIT and everything else (harness,
 # checks) from this tree: a point of a bisection over the package's history. The set runs in a
 # copy of the tree in /tmp whose vllm_capture/ comes from .bisect/COMMIT/ where the call carried
@@ -202,11 +204,14 @@ PY
     # of generates, 240 by default (about 5 minutes with the engine's start); SWITCH: what
     # alternates, a comma list the capture generates take in turn (both, host, nodes; none:
     # capture generates as shipped, timed the same way); PERIOD: iterations the step path's
-    # switch stays on, then off (2 by default).
+    # switch stays on, then off (2 by default); SAMPLE_MS: sample the engine's main thread every
+    # that many ms of its CPU time (cpu_samples.jsonl; the "cpu" lines: a capture generate's CPU
+    # by function against the idle generates beside it).
     timeout 420 python3 benchmarks/step_alternation.py --model 1b --out "$OUT" \
       --generates ${2:-60} --budget-s ${BUDGET_S:-240} --switch ${SWITCH:-both} --period ${PERIOD:-2} \
-      >"$OUT/step_alternation.log" 2>&1
-    echo "step-alternation rc=$?"; tail -1 "$OUT/step_alternation.log" | cut -c1-1500
+      ${SAMPLE_MS:+--sample-ms $SAMPLE_MS} >"$OUT/step_alternation.log" 2>&1
+    echo "step-alternation rc=$?"; grep -E "^\{" "$OUT/step_alternation.log" | tail -1 | cut -c1-1500
+    grep -E "^cpu " "$OUT/step_alternation.log" | cut -c1-300
     ;;
   step-host)
     # Capture's step-path host time without an engine (seconds): on this host's CPU, with the

@@ -34,7 +34,14 @@ kind read apart against the idle generates beside its own: ``both`` (the default
 switch on in every step, still timed by iteration). Session 29, one run each: ``both`` 1.022
 of idle's speed, ``none`` 0.957; ``--switch both,none`` puts the two in one run. ``--period N``
 keeps the step path's switch N iterations on, then N off (the nodes' 2N): a cost that needs
-consecutive capturing steps shows in longer periods.
+consecutive capturing steps shows in longer periods. Session 30, on one machine: ``both`` 0.997
+of idle's speed and ``none`` 1.009; ``host``, ``nodes`` and ``none`` at ``--period 16`` 1.021,
+0.979 and 1.004: nothing that needs consecutive steps.
+
+``--sample-ms M`` samples the engine's main thread every M ms of the engine process's CPU time
+(``benchmarks/cpu_samples.py``): each capture generate's CPU by Python function against the idle
+generates beside it (the summary's ``cpu_samples``, from ``cpu_samples.jsonl``), to tell work
+that capture adds in some function from all of vLLM's work running slower.
 
 A diagnostic: the rows of these generates are not checked (on skipped steps and without nodes
 they are not what the product captures), and the patches live here.
@@ -57,6 +64,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from benchmarks import cpu_samples as C  # noqa: E402
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
 from benchmarks.profile_step import capture_and_generate, quick_decode_engine  # noqa: E402
@@ -68,6 +76,8 @@ NO_STEP, PLANNED, REPEATED, SKIPPED = 0, 1, 2, 3
 # the generate switched (an index into SWITCHES; logs of session 29 lack it).
 COLUMNS = 6
 HEAD = 3  # rows written, the current generate's index (-1: not logging), what it switches
+#: The engine's CPU samples (``--sample-ms``), beside the iteration log.
+SAMPLES = "cpu_samples.jsonl"
 
 
 class IterationLog:
@@ -126,8 +136,8 @@ SWITCH_NAMES = tuple(SWITCHES)
 class Alternation:
     """The patches, and the engine-side state they share (one engine process, one thread)."""
 
-    def __init__(self, log: IterationLog, period: int = 2):
-        self.log, self.period = log, period
+    def __init__(self, log: IterationLog, period: int = 2, sampler: C.Sampler | None = None):
+        self.log, self.period, self.sampler = log, period, sampler
         self.switch = "both"  # what the current iteration's generate switches
         self.iteration = 0
         self.step_kind = NO_STEP
@@ -150,10 +160,16 @@ class Alternation:
 
         alt = self
         engine_step = EngineCoreProc._process_engine_step
+        if alt.sampler is not None:
+            alt.sampler.root = engine_step.__code__
 
         def timed_engine_step(core):
             # The generate it started in: the client may stop the log while it runs.
             generate, alt.switch = alt.log.generate, alt.log.switch
+            if alt.sampler is not None:
+                if not alt.sampler.running:  # in the engine's process: its timer is its own
+                    alt.sampler.start()
+                alt.sampler.set_label(generate if generate >= 0 else None)
             alt.step_kind, alt.nodes_launched = NO_STEP, True
             t0 = time.perf_counter()
             try:
@@ -163,6 +179,10 @@ class Alternation:
                     alt.log.append(time.perf_counter() - t0, alt.step_kind != SKIPPED,
                                    alt.nodes_launched, alt.step_kind, generate, alt.switch)
                     alt.iteration += 1
+                if alt.sampler is not None and not core.has_work():
+                    # The engine now serves RPCs without stepping until the next generate:
+                    # this generate's samples are written before the client reads them.
+                    alt.sampler.set_label(None)
 
         EngineCoreProc._process_engine_step = timed_engine_step
 
@@ -252,13 +272,15 @@ def is_capture(generate):
     return generate % 2 == 1
 
 
-def analyse(rows: np.ndarray, switch: str = "both") -> dict:
+def analyse(rows: np.ndarray, switch: str = "both", samples: dict | None = None) -> dict:
     """By what the capture generates switched (the log's column, or ``switch`` for a log
     without it): each switch's cost in its own iteration and in the next (regression per
     capture generate, interval over generates); the capture generates' iteration with every
     switch off (the fitted base) and on, and their median steady iteration, against the idle
-    generates' median steady iteration just before and after; and whole generates against
-    those beside them. The idle generates' median steady iteration, and how many there are."""
+    generates' median steady iteration just before and after; whole generates against those
+    beside them; and, given the engine's CPU ``samples`` (``cpu_samples.read_samples``), their
+    main thread's CPU by function against those beside them. The idle generates' median steady
+    iteration, and how many there are."""
     fits, medians, totals, kinds = {}, {}, {}, {}
     for g in np.unique(rows[:, 4]).astype(int):
         mine = rows[rows[:, 4] == g]
@@ -303,6 +325,8 @@ def analyse(rows: np.ndarray, switch: str = "both") -> dict:
         out["generate_vs_idle"] = R.geometric_mean_interval(against_idle(
             captures, lambda g, near: float(np.log(statistics.fmean(totals[h] for h in near)
                                                    / totals[g]))))
+        if samples:
+            out["cpu_samples"] = C.compare(samples, [(g, [g - 1, g + 1]) for g in captures])
         capture = rows[np.isin(rows[:, 4], captures)]
         out["iterations"] = {"capture": len(capture),
                              "skipped": int(np.sum(capture[:, 3] == SKIPPED)),
@@ -359,9 +383,14 @@ def main() -> int:
                    help="idle generates, and as many capture generates")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no pair of generates after this many seconds of them")
+    p.add_argument("--sample-ms", type=float, default=0.0,
+                   help="sample the engine's main thread every this many ms of its process's "
+                   "CPU time (cpu_samples.jsonl; 0, the default: not sampled)")
     args = p.parse_args()
     if args.period < 1:
         p.error(f"--period: {args.period} is not a number of iterations (1 or more)")
+    if args.sample_ms < 0:
+        p.error(f"--sample-ms: {args.sample_ms} is not an interval (0: off)")
     try:
         kinds = parse_switches(args.switch)
     except ValueError as exc:
@@ -369,7 +398,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.analyse:
-        return write_summary(np.load(args.analyse), out, kinds[0])
+        return write_summary(np.load(args.analyse), out, kinds[0],
+                             Path(args.analyse).with_name(SAMPLES))
     # Asked of NVML: CUDA initialised here would fail the engine core forked from this process.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
@@ -382,7 +412,11 @@ def main() -> int:
     from vllm_capture import api
 
     log = IterationLog()
-    Alternation(log, args.period).install()
+    sampler = None
+    if args.sample_ms:
+        (out / SAMPLES).unlink(missing_ok=True)
+        sampler = C.Sampler(out / SAMPLES, args.sample_ms / 1e3)
+    Alternation(log, args.period, sampler).install()
     llm, shape, w, params, prompts = quick_decode_engine(args.model, "capture-graph")
     if len(os.sched_getaffinity(0)) >= 8:
         pin([os.getpid()], [0, 1, 2, 3])
@@ -413,13 +447,21 @@ def main() -> int:
     if wrong:
         raise SystemExit(wrong)
     np.save(out / "step_alternation.npy", rows)
-    return write_summary(rows, out)
+    if sampler is not None and not (out / SAMPLES).exists():
+        raise SystemExit(f"--sample-ms: the engine wrote no {SAMPLES}")
+    return write_summary(rows, out, samples_path=out / SAMPLES)
 
 
-def write_summary(rows: np.ndarray, out: Path, switch: str = "both") -> int:
-    summary = analyse(rows, switch)
+def write_summary(rows: np.ndarray, out: Path, switch: str = "both",
+                  samples_path: Path | None = None) -> int:
+    samples = (C.read_samples(samples_path) if samples_path is not None and samples_path.exists()
+               else None)
+    summary = analyse(rows, switch, samples)
     (out / "step_alternation.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary), flush=True)
+    for kind, result in summary["switches"].items():
+        for line in C.table(result.get("cpu_samples")):
+            print(f"cpu {kind}: {line}", flush=True)
     return 0
 
 
