@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import engine_state as E  # noqa: E402
+from benchmarks import host_cpu  # noqa: E402
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
 
@@ -686,7 +687,8 @@ def environment(argv: list[str], probe: dict, nvml: Nvml) -> dict:
         commit = None
     return {"command": " ".join(shlex.quote(a) for a in ["python3", *argv]),
             "python": sys.version.split()[0], "commit": commit, "code_sha256": code_sha256(),
-            "versions": probe.get("versions", {}), "cpu_count": os.cpu_count(), **nvml.device()}
+            "versions": probe.get("versions", {}), "cpu_count": os.cpu_count(),
+            "cpu": host_cpu.describe(), **nvml.device()}
 
 
 def _group_alive(pgid: int) -> bool:
