@@ -166,19 +166,20 @@ def leave_nodes_out(switches: Switches, name: str) -> None:
     state_module.CaptureGraphState.set_enabled = set_enabled_without_nodes
 
 
-def nodes_check(on: tuple[str, ...], rows: int, last_position: int,
-                last_decode: int) -> str | None:
-    """Whether ``nonodes`` acted as switched (``on``), read from a generate's fetched rows and the
-    last position among them: without the nodes, the graphs' decode steps capture nothing, but
-    the prefill (too large for a graph) still runs the op, so a last row stays at the prompt; with
-    them it reaches ``last_decode``. The positions are the step path's to keep, so a case that
-    skips it (``skip``) tells nothing. What went wrong, or None."""
-    if not rows or "skip" in on:
+def nodes_check(on: tuple[str, ...], idle: dict | None, capturing: dict | None) -> str | None:
+    """Whether ``nonodes`` acted as switched (``on``), read from the engine's graph registry
+    (``capture_status``'s ``graph_nodes``) with every site idle (``idle``) and while the stream
+    ran (``capturing``): without its nodes the graphs launched leave out as many capture nodes
+    as idle ones do (all but the pinned site's), with them fewer. Not the rows: a reduction's
+    positions are the step path's to keep, whatever the graphs ran (session 30's run stopped on
+    that). What went wrong, or None (nothing to read: no registry, off CUDA)."""
+    if not idle or not capturing:
         return None
     no_nodes = "nonodes" in on
-    if no_nodes == (last_position < last_decode):
+    if no_nodes == (capturing["nodes_left_out"] == idle["nodes_left_out"]):
         return None
-    return (f"last row at position {last_position}; the graph patch "
+    return (f"{capturing['nodes_left_out']} capture nodes left out while capturing, "
+            f"{idle['nodes_left_out']} with every site idle; the graph patch "
             f"{'did not reach' if no_nodes else 'reached'} the engine")
 
 
@@ -401,8 +402,8 @@ def main() -> int:
     if not engine_pids:
         raise SystemExit("no engine process among this one's children: try --in-process")
 
-    def timers() -> dict:
-        return api.capture_status(llm, S.HIDDEN)["host_timers"]
+    def status() -> dict:
+        return api.capture_status(llm, S.HIDDEN)
 
     def generate(case: str) -> dict:
         suffix = next((x for x in SUFFIX_SWITCHES if case.endswith(x)), "")
@@ -411,11 +412,16 @@ def main() -> int:
         drop, no_rows = "drop" in on, "nogpu" in on
         for switch in on:
             (flags / switch).touch()
-        before, phases_before = timers(), phases.read()
+        idle_status, phases_before = status(), phases.read()
+        before = idle_status["host_timers"]
         gen_s, threads = capture_and_generate(llm, cap, shape, w, params, prompts, engine_pids)
         fetch_s = None
         if cap is not None:
-            stored = api.capture_status(llm, cap.stream)["tokens_stored"]
+            capturing = api.capture_status(llm, cap.stream)
+            wrong = nodes_check(on, idle_status["graph_nodes"], capturing["graph_nodes"])
+            if wrong:
+                raise SystemExit(f"{case}: {wrong}")
+            stored = capturing["tokens_stored"]
             # A row stream stores what it drained during the generate (reductions wait for
             # the fetch).
             if cap.reduce == "all" and drop != (stored == 0):
@@ -423,19 +429,14 @@ def main() -> int:
                                  f"{'did not reach' if drop else 'dropped rows of'} the engine")
             if not drop:
                 t = time.perf_counter()
-                tensors, meta, _ = api.fetch_captured(llm, cap.stream, clear=True)
+                tensors, _, _ = api.fetch_captured(llm, cap.stream, clear=True)
                 fetch_s = time.perf_counter() - t
                 rows = sum(len(t) for t in tensors.values())
                 if no_rows != (rows == 0):
                     raise SystemExit(f"{case}: {rows} rows fetched; the device patch "
                                      f"{'did not reach' if no_rows else 'reached'} the engine")
-                last = max((int(m.positions.max()) for m in meta.values() if len(m.positions)),
-                           default=-1)
-                wrong = nodes_check(on, rows, last, w.prompt_len + w.new_tokens - 2)
-                if wrong:
-                    raise SystemExit(f"{case}: {wrong}")
             api.stop_capture(llm, cap.stream)  # dropped rows: nothing is fetched
-        after, phases_after = timers(), phases.read()
+        after, phases_after = status()["host_timers"], phases.read()
         for switch in on:
             (flags / switch).unlink()
         planned = after["steps"] - before["steps"]
