@@ -1181,18 +1181,20 @@ def test_phase_timers_count_every_call_in_the_forked_engine_and_add_same_named_m
     assert spent["step"]["ms"] >= 0 and spent["schedule"]["ms"] >= 0
 
 
-def test_nodes_check_reads_the_last_rows_position_where_the_step_path_keeps_it():
+def test_nodes_check_reads_the_graph_registry_idle_and_while_capturing():
     from benchmarks.harvest_ablation import SUFFIX_SWITCHES, nodes_check
 
-    end = 32 + 256 - 2
-    assert nodes_check((), 1024, end, end) is None  # as shipped: the last decode row
-    assert nodes_check(SUFFIX_SWITCHES["-nonodes"], 1024, 31, end) is None  # the prompt's last
-    assert "did not reach" in nodes_check(SUFFIX_SWITCHES["-nonodes"], 1024, end, end)
-    assert "reached" in nodes_check((), 1024, 31, end)
-    # The step path skipped: the positions stop where it last ran, whatever the graphs did.
-    assert nodes_check(SUFFIX_SWITCHES["-nohost"], 1024, 33, end) is None
-    assert nodes_check(SUFFIX_SWITCHES["-bare"], 1024, 33, end) is None
-    assert nodes_check(SUFFIX_SWITCHES["-nonodes"], 0, -1, end) is None  # no rows: nogpu's check
+    # 30 graphs, 32 sites each; idle, all but the pinned site's nodes are left out.
+    idle = {"graphs": 30, "nodes": 960, "nodes_left_out": 930}
+    hidden_on = {**idle, "nodes_left_out": 450}  # the 16 hidden sites' nodes launched
+    assert nodes_check((), idle, hidden_on) is None  # as shipped
+    assert nodes_check(SUFFIX_SWITCHES["-nonodes"], idle, idle) is None
+    assert nodes_check(SUFFIX_SWITCHES["-bare"], idle, idle) is None  # the step path skipped too
+    wrong = nodes_check(SUFFIX_SWITCHES["-nonodes"], idle, hidden_on)
+    assert wrong == ("450 capture nodes left out while capturing, 930 with every site idle; "
+                     "the graph patch did not reach the engine")
+    assert nodes_check(SUFFIX_SWITCHES["-nohost"], idle, idle).endswith("reached the engine")
+    assert nodes_check(SUFFIX_SWITCHES["-nonodes"], None, None) is None  # no registry (CPU)
 
 
 def test_print_phase_table_lists_each_cases_difference_from_idle(capsys):
@@ -1572,12 +1574,128 @@ def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_pa
     rows = _idle_rows(0, 2800.0, rng, iterations=64)
     rows += _alternating_rows(1, costs, 2800.0, rng, noise_us=2.0, iterations=64, switch="none")
     np.save(tmp_path / "log.npy", np.array(rows)[:, :5])
+    # The engine's CPU samples beside it: the capture generate 4 ms longer, in one function.
+    with open(tmp_path / SA.SAMPLES, "w") as f:
+        for label, extra in ((0, 0), (1, 4)):
+            f.write(json.dumps({"label": label, "samples": 100 + extra, "interval_s": 0.001,
+                                "self": {"a.py:f": 100, "b.py:g": extra},
+                                "inclusive": {"a.py:f": 100}}) + "\n")
     monkeypatch.setattr(sys, "argv", ["step_alternation.py", "--out", str(tmp_path / "again"),
                                       "--analyse", str(tmp_path / "log.npy"), "--switch", "none"])
     assert SA.main() == 0
+    assert "\ncpu none: all +4.0 ms a generate, of 100 ms beside (1 pairs)\n" in capsys.readouterr().out
     summary = json.loads((tmp_path / "again" / "step_alternation.json").read_text())
     assert summary["idle_generates"] == 1 and list(summary["switches"]) == ["none"]
     plain = summary["switches"]["none"]
     assert (plain["capture_generates"], plain["fitted_generates"]) == (1, 0)
     assert plain["iteration_vs_idle"] is None  # one generate: no interval over generates
     assert plain["generate_vs_idle"]["pairs"] == 1
+    sampled = plain["cpu_samples"]
+    assert sampled["all"] == {"ms": 4.0, "ci95": None}
+    assert sampled["self"][0]["function"] == "b.py:g" and sampled["self"][0]["ms"] == 4.0
+
+
+# ---- cpu_samples: the main thread's CPU by function --------------------------------------------
+
+def _spin(seconds: float) -> None:
+    """Keep this thread on a CPU for ``seconds`` of its CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _spin_longer(seconds: float) -> None:
+    _spin(seconds)
+
+
+def _step(work, seconds: float) -> None:
+    work(seconds)
+
+
+def test_cpu_sampler_counts_the_main_threads_functions_under_their_label(tmp_path):
+    from benchmarks import cpu_samples as C
+
+    path = tmp_path / "samples.jsonl"
+    sampler = C.Sampler(path, interval_s=0.002, root=_step.__code__)
+    sampler.start()
+    try:
+        sampler.set_label(1)
+        _step(_spin, 0.3)
+        sampler.set_label(None)
+        _spin(0.1)  # not counted
+        sampler.set_label(2)
+        _step(_spin_longer, 0.15)
+    finally:
+        sampler.stop()
+    samples = C.read_samples(path)
+    assert set(samples) == {1, 2}
+    spin, longer = (C.code_key(f.__code__) for f in (_spin, _spin_longer))
+    assert spin.endswith("test_benchmarks.py:_spin")
+    first, second = samples[1], samples[2]
+    # 0.3 s of CPU in 2 ms samples: about 150, of which the sampled thread's own nearly all.
+    assert 60 <= first["samples"] <= 400 and first["samples"] > second["samples"] > 20
+    assert first["self"][spin] >= 0.8 * first["samples"]
+    # Inclusive: the functions below the root (the root and the test above it are not).
+    assert first["inclusive"][spin] >= 0.8 * first["samples"]
+    assert second["inclusive"][longer] >= 0.8 * second["samples"]
+    assert second["inclusive"][spin] >= 0.8 * second["samples"]
+    assert C.code_key(_step.__code__) not in first["inclusive"]
+    # Stopped: the timer is off and the handler gone, so nothing more is counted or written.
+    lines = path.read_text().count("\n")
+    _spin(0.05)
+    assert path.read_text().count("\n") == lines == 2
+
+
+def test_cpu_samples_compare_each_run_with_those_beside_it():
+    from collections import Counter
+
+    from benchmarks import cpu_samples as C
+
+    def record(f: int, g: int) -> dict:
+        return {"samples": f + g, "interval_s": 0.002, "self": Counter({"f": f, "g": g}),
+                "inclusive": Counter({"f": f})}
+
+    # Idle runs 0, 2, 4; capture runs 1 and 3 spend 10 and 20 more samples in g alone.
+    samples = {0: record(100, 10), 1: record(100, 20), 2: record(100, 10), 3: record(100, 30),
+               4: record(100, 10)}
+    out = C.compare(samples, [(1, [0, 2]), (3, [2, 4]), (5, [4, 6])], top=1)
+    assert out["pairs"] == 2  # run 5 was never sampled
+    assert out["all"]["ms"] == 30.0 and out["all"]["ci95"][0] < 30.0 < out["all"]["ci95"][1]
+    assert out["beside_ms"] == 220.0
+    (g,) = out["self"]
+    assert g["function"] == "g" and g["ms"] == 30.0
+    # g holds 10 of every 110 samples beside: a CPU 30 ms slower overall would add 2.7 ms there.
+    assert g["share_beside"] == round(10 / 110, 4)
+    assert g["if_proportional_ms"] == round(10 / 110 * 30.0, 3)
+    assert out["inclusive"][0]["function"] == "f" and out["inclusive"][0]["ms"] == 0.0
+    assert C.compare(samples, [(7, [8])]) is None
+    lines = C.table(out)
+    assert lines[0].startswith("all +30.0 ms (") and lines[0].endswith("of 220 ms beside (2 pairs)")
+    assert lines[1].startswith("g: +30.0 ms (") and "9.1% of the samples beside" in lines[1]
+    assert lines[1].endswith("(in proportion +2.7 ms)") and C.table(None) == []
+
+
+# ---- host_cpu: what the host's CPUs are --------------------------------------------------------
+
+def test_host_cpu_reads_the_first_cpus_identity_every_cpus_mhz_and_the_last_cache(tmp_path):
+    from benchmarks import host_cpu
+
+    def cpu(n: int, mhz: float) -> str:
+        return (f"processor\t: {n}\nmodel name\t: Intel Xeon Processor\ncpu family\t: 6\n"
+                f"model\t\t: 143\nstepping\t: 8\nmicrocode\t: 0x2b0004b1\ncpu MHz\t\t: {mhz}\n"
+                f"cache size\t: 107520 KB\nsiblings\t: 16\ncpu cores\t: 8\n")
+
+    for level, size in ((1, "48K"), (2, "2048K"), (3, "107520K")):
+        index = tmp_path / "cpu0" / "cache" / f"index{level}"
+        index.mkdir(parents=True)
+        (index / "level").write_text(f"{level}\n")
+        (index / "size").write_text(f"{size}\n")
+    out = host_cpu.describe(cpu(0, 2100.0) + "\n" + cpu(1, 3000.5) + "\n", tmp_path)
+    assert {k: out[k] for k in ("model", "family", "model_number", "stepping", "cache")} == {
+        "model": "Intel Xeon Processor", "family": "6", "model_number": "143", "stepping": "8",
+        "cache": "107520 KB"}
+    assert out["threads_per_core"] == 2 and out["last_level_cache"] == "L3 107520K"
+    assert out["mhz"] == {"mean": 2550, "min": 2100, "max": 3000, "cpus": 2}
+    # A host that exposes less: what it has.
+    bare = host_cpu.describe("processor\t: 0\nmodel name\t: AMD EPYC\n", tmp_path / "none")
+    assert bare["model"] == "AMD EPYC" and "mhz" not in bare and "last_level_cache" not in bare
