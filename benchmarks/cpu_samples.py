@@ -10,11 +10,10 @@ its stack below ``root`` ("inclusive"), under the label the caller set (a genera
 extra time sits in a few functions (work capture adds somewhere) or spreads over all of vLLM's in
 proportion (the same work run slower) is then read per function, generate against generate.
 
-A sample costs the handler about 13 us on a 30-frame stack (the CPU VM; 1.3% at 1 ms), in
-every generate alike. The handler is
-installed with ``SA_RESTART``, so system calls it interrupts restart. Each label's counts are
-written out as one JSON line when the label changes (``set_label``): a forked process whose end
-is not seen (vLLM's engine core) leaves them behind.
+A sample costs the handler about 13 us on a 30-frame stack (the CPU VM; 1.3% at 1 ms), in every
+generate alike. The handler is installed with ``SA_RESTART``, so system calls it interrupts
+restart. Each label's counts are written out as one JSON line when the label changes
+(``set_label``): a forked process whose end is not seen (vLLM's engine core) leaves them behind.
 """
 
 from __future__ import annotations
