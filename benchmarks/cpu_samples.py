@@ -69,14 +69,17 @@ class Sampler:
         """Count the following samples under ``label``; the previous label's go to the file."""
         if label == self.label:
             return
-        if self.label is not None and self._samples:
-            record = {"label": self.label, "samples": self._samples,
-                      "interval_s": self.interval_s, "self": _by_key(self._self),
-                      "inclusive": _by_key(self._inclusive)}
+        # The handler can run between any two lines here: with no label it counts nothing, and
+        # then it counts into fresh counters, never into the ones being written.
+        previous, self.label = self.label, None
+        samples, own, inclusive = self._samples, self._self, self._inclusive
+        self._self, self._inclusive, self._samples = Counter(), Counter(), 0
+        self.label = label
+        if previous is not None and samples:
+            record = {"label": previous, "samples": samples, "interval_s": self.interval_s,
+                      "self": _by_key(own), "inclusive": _by_key(inclusive)}
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        self.label = label
-        self._self, self._inclusive, self._samples = Counter(), Counter(), 0
 
     def _on_sample(self, signum, frame) -> None:
         if self.label is None or frame is None:

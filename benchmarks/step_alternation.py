@@ -40,7 +40,8 @@ of idle's speed and ``none`` 1.009; ``host``, ``nodes`` and ``none`` at ``--peri
 
 ``--sample-ms M`` samples the engine's main thread every M ms of the engine process's CPU time
 (``benchmarks/cpu_samples.py``): each capture generate's CPU by Python function against the idle
-generates beside it (the summary's ``cpu_samples``, from ``cpu_samples.jsonl``), to tell work
+generates beside it, its first ``FIRST_STEADY`` iterations (prefill, first planned decode) and
+its steady ones apart (the summary's ``cpu_samples``, from ``cpu_samples.jsonl``), to tell work
 that capture adds in some function from all of vLLM's work running slower.
 
 A diagnostic: the rows of these generates are not checked (on skipped steps and without nodes
@@ -78,6 +79,9 @@ COLUMNS = 6
 HEAD = 3  # rows written, the current generate's index (-1: not logging), what it switches
 #: The engine's CPU samples (``--sample-ms``), beside the iteration log.
 SAMPLES = "cpu_samples.jsonl"
+#: A generate's iterations before this one hold its prefill and first planned decode steps;
+#: from it on, steady decode.
+FIRST_STEADY = 4
 
 
 class IterationLog:
@@ -118,6 +122,14 @@ class IterationLog:
             self._head[0] = i + 1
 
 
+def sample_label(generate: int, iteration: int) -> str | None:
+    """The CPU samples' label of a generate's ``iteration``-th iteration: its first iterations
+    and its steady ones apart (None: no generate is logging)."""
+    if generate < 0:
+        return None
+    return f"{generate}:{'head' if iteration < FIRST_STEADY else 'steady'}"
+
+
 def switches_of(iteration: int, period: int = 2) -> tuple[bool, bool]:
     """Whether engine iteration ``iteration`` runs the step path and launches the capture nodes.
     Each is on half the time, and whatever this iteration does, the one before ran the step path
@@ -143,6 +155,7 @@ class Alternation:
         self.step_kind = NO_STEP
         self.nodes_launched = True
         self.last_shape = None
+        self.sampled_generate, self.generate_iteration = -1, 0
 
     @property
     def host_on(self) -> bool:
@@ -169,7 +182,10 @@ class Alternation:
             if alt.sampler is not None:
                 if not alt.sampler.running:  # in the engine's process: its timer is its own
                     alt.sampler.start()
-                alt.sampler.set_label(generate if generate >= 0 else None)
+                if generate != alt.sampled_generate:
+                    alt.sampled_generate, alt.generate_iteration = generate, 0
+                alt.sampler.set_label(sample_label(generate, alt.generate_iteration))
+                alt.generate_iteration += 1
             alt.step_kind, alt.nodes_launched = NO_STEP, True
             t0 = time.perf_counter()
             try:
@@ -286,7 +302,7 @@ def analyse(rows: np.ndarray, switch: str = "both", samples: dict | None = None)
         mine = rows[rows[:, 4] == g]
         totals[g] = float(mine[:, 0].sum())
         # Past the prefill and first decode steps: the steady iterations.
-        medians[g] = float(np.median(mine[4:-1, 0])) * 1e6
+        medians[g] = float(np.median(mine[FIRST_STEADY:-1, 0])) * 1e6
         if is_capture(g):
             kinds[g] = SWITCH_NAMES[int(mine[0, 5])] if rows.shape[1] > 5 else switch
             fit = fit_generate(mine)
@@ -326,7 +342,9 @@ def analyse(rows: np.ndarray, switch: str = "both", samples: dict | None = None)
             captures, lambda g, near: float(np.log(statistics.fmean(totals[h] for h in near)
                                                    / totals[g]))))
         if samples:
-            out["cpu_samples"] = C.compare(samples, [(g, [g - 1, g + 1]) for g in captures])
+            out["cpu_samples"] = {part: C.compare(samples, [
+                (f"{g}:{part}", [f"{g - 1}:{part}", f"{g + 1}:{part}"]) for g in captures])
+                for part in ("steady", "head")}
         capture = rows[np.isin(rows[:, 4], captures)]
         out["iterations"] = {"capture": len(capture),
                              "skipped": int(np.sum(capture[:, 3] == SKIPPED)),
@@ -460,8 +478,9 @@ def write_summary(rows: np.ndarray, out: Path, switch: str = "both",
     (out / "step_alternation.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary), flush=True)
     for kind, result in summary["switches"].items():
-        for line in C.table(result.get("cpu_samples")):
-            print(f"cpu {kind}: {line}", flush=True)
+        for part, compared in (result.get("cpu_samples") or {}).items():
+            for line in C.table(compared):
+                print(f"cpu {kind} {part}: {line}", flush=True)
     return 0
 
 

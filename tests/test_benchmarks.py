@@ -1574,25 +1574,32 @@ def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_pa
     rows = _idle_rows(0, 2800.0, rng, iterations=64)
     rows += _alternating_rows(1, costs, 2800.0, rng, noise_us=2.0, iterations=64, switch="none")
     np.save(tmp_path / "log.npy", np.array(rows)[:, :5])
-    # The engine's CPU samples beside it: the capture generate 4 ms longer, in one function.
+    # The engine's CPU samples beside it: the capture generate's steady iterations 4 ms longer,
+    # in one function; its first ones 1 ms shorter.
     with open(tmp_path / SA.SAMPLES, "w") as f:
-        for label, extra in ((0, 0), (1, 4)):
-            f.write(json.dumps({"label": label, "samples": 100 + extra, "interval_s": 0.001,
-                                "self": {"a.py:f": 100, "b.py:g": extra},
-                                "inclusive": {"a.py:f": 100}}) + "\n")
+        for generate, head, extra in ((0, 10, 0), (1, 9, 4)):
+            for part, samples, mine in (("head", head, {}), ("steady", 100 + extra, {"b.py:g": extra})):
+                f.write(json.dumps({"label": SA.sample_label(generate, 0 if part == "head" else 9),
+                                    "samples": samples, "interval_s": 0.001,
+                                    "self": {"a.py:f": samples - extra, **mine},
+                                    "inclusive": {"a.py:f": 100}}) + "\n")
     monkeypatch.setattr(sys, "argv", ["step_alternation.py", "--out", str(tmp_path / "again"),
                                       "--analyse", str(tmp_path / "log.npy"), "--switch", "none"])
     assert SA.main() == 0
-    assert "\ncpu none: all +4.0 ms a generate, of 100 ms beside (1 pairs)\n" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "\ncpu none steady: all +4.0 ms a generate, of 100 ms beside (1 pairs)\n" in printed
+    assert "\ncpu none head: all -1.0 ms a generate, of 10 ms beside (1 pairs)\n" in printed
     summary = json.loads((tmp_path / "again" / "step_alternation.json").read_text())
     assert summary["idle_generates"] == 1 and list(summary["switches"]) == ["none"]
     plain = summary["switches"]["none"]
     assert (plain["capture_generates"], plain["fitted_generates"]) == (1, 0)
     assert plain["iteration_vs_idle"] is None  # one generate: no interval over generates
     assert plain["generate_vs_idle"]["pairs"] == 1
-    sampled = plain["cpu_samples"]
-    assert sampled["all"] == {"ms": 4.0, "ci95": None}
-    assert sampled["self"][0]["function"] == "b.py:g" and sampled["self"][0]["ms"] == 4.0
+    steady = plain["cpu_samples"]["steady"]
+    assert steady["all"] == {"ms": 4.0, "ci95": None}
+    assert steady["self"][0]["function"] == "b.py:g" and steady["self"][0]["ms"] == 4.0
+    assert SA.sample_label(-1, 0) is None and SA.sample_label(3, SA.FIRST_STEADY) == "3:steady"
+    assert SA.sample_label(3, SA.FIRST_STEADY - 1) == "3:head"
 
 
 # ---- cpu_samples: the main thread's CPU by function --------------------------------------------
@@ -1644,6 +1651,29 @@ def test_cpu_sampler_counts_the_main_threads_functions_under_their_label(tmp_pat
     lines = path.read_text().count("\n")
     _spin(0.05)
     assert path.read_text().count("\n") == lines == 2
+
+
+def test_cpu_sampler_counts_a_sample_taken_while_it_writes_under_the_new_label(tmp_path,
+                                                                             monkeypatch):
+    """A signal can arrive while a label's counts are written (session 30's first run on the CPU
+    VM's engine died of it: 'dictionary changed size during iteration')."""
+    from benchmarks import cpu_samples as C
+
+    sampler = C.Sampler(tmp_path / "samples.jsonl")
+    sampler.set_label("a")
+    sampler._on_sample(0, sys._getframe())
+    by_key = C._by_key
+
+    def interrupted(counts):
+        sampler._on_sample(0, sys._getframe())  # the handler, while "a" is being written
+        return by_key(counts)
+
+    monkeypatch.setattr(C, "_by_key", interrupted)
+    sampler.set_label("b")
+    monkeypatch.setattr(C, "_by_key", by_key)
+    sampler.set_label(None)
+    samples = C.read_samples(tmp_path / "samples.jsonl")
+    assert samples["a"]["samples"] == 1 and samples["b"]["samples"] == 2
 
 
 def test_cpu_samples_compare_each_run_with_those_beside_it():
