@@ -18,6 +18,7 @@ restart. Each label's counts are written out as one JSON line when the label cha
 
 from __future__ import annotations
 
+import gzip
 import json
 import signal
 import statistics
@@ -104,9 +105,13 @@ def _by_key(counts: Counter) -> dict[str, int]:
 
 
 def read_samples(path: str | Path) -> dict:
-    """``{label: record}`` of a sampler's file (a label written twice: its counts added)."""
+    """``{label: record}`` of a sampler's file, or of its gzip (``.gz``: how the H200's runs
+    bring it back, under the device's 16 MiB a file); a label written twice: its counts added."""
+    path = Path(path)
+    text = (gzip.decompress(path.read_bytes()) if path.suffix == ".gz"
+            else path.read_bytes()).decode()
     out: dict = {}
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         record = json.loads(line)
         mine = out.setdefault(record["label"], {"samples": 0, "interval_s": record["interval_s"],
                                                 "self": Counter(), "inclusive": Counter()})

@@ -211,6 +211,7 @@ PY
       --generates ${2:-60} --budget-s ${BUDGET_S:-240} --switch ${SWITCH:-both} --period ${PERIOD:-2} \
       ${SAMPLE_MS:+--sample-ms $SAMPLE_MS} >"$OUT/step_alternation.log" 2>&1
     echo "step-alternation rc=$?"; grep -E "^\{" "$OUT/step_alternation.log" | tail -1 | cut -c1-1500
+    [ -f "$OUT/cpu_samples.jsonl" ] && gzip -f "$OUT/cpu_samples.jsonl"  # a file back: 16 MiB at most
     grep -E "^cpu " "$OUT/step_alternation.log" | cut -c1-300
     ;;
   step-host)

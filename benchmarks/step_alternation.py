@@ -416,8 +416,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.analyse:
-        return write_summary(np.load(args.analyse), out, kinds[0],
-                             Path(args.analyse).with_name(SAMPLES))
+        beside = Path(args.analyse).with_name(SAMPLES)
+        if not beside.exists():
+            beside = beside.with_name(SAMPLES + ".gz")  # as gpu_session.sh brings it back
+        return write_summary(np.load(args.analyse), out, kinds[0], beside)
     # Asked of NVML: CUDA initialised here would fail the engine core forked from this process.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch

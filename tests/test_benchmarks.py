@@ -1574,9 +1574,12 @@ def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_pa
     rows = _idle_rows(0, 2800.0, rng, iterations=64)
     rows += _alternating_rows(1, costs, 2800.0, rng, noise_us=2.0, iterations=64, switch="none")
     np.save(tmp_path / "log.npy", np.array(rows)[:, :5])
-    # The engine's CPU samples beside it: the capture generate's steady iterations 4 ms longer,
-    # in one function; its first ones 1 ms shorter.
-    with open(tmp_path / SA.SAMPLES, "w") as f:
+    # The engine's CPU samples beside it, gzipped as gpu_session.sh brings them back: the
+    # capture generate's steady iterations 4 ms longer, in one function; its first ones 1 ms
+    # shorter.
+    import gzip
+
+    with gzip.open(tmp_path / (SA.SAMPLES + ".gz"), "wt") as f:
         for generate, head, extra in ((0, 10, 0), (1, 9, 4)):
             for part, samples, mine in (("head", head, {}), ("steady", 100 + extra, {"b.py:g": extra})):
                 f.write(json.dumps({"label": SA.sample_label(generate, 0 if part == "head" else 9),
