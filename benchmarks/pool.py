@@ -16,6 +16,9 @@ on the same engine. The last two columns pool the reps that ran the scenarios in
 before it, which the alternation evens out in the pooled figure but these columns show (the 1B's
 idle against vanilla, over nine runs: 1.006 forward, 0.948 reversed).
 
+A row "host / cpu" names each run's CPUs where its ``results.json`` records them (``env.cpu``,
+since session 30): the 1B's capture cost moved by several percent from machine to machine.
+
 Where the runs were started in both engine orders (``run.py --baseline-first`` for some), three
 more columns pool each order's reps apart and weigh the two orders equally: the engine started
 later read faster in either order (session 21: idle 0.983 of vanilla started last, 1.028 of
@@ -95,6 +98,16 @@ def _interval_text(x: dict | None) -> str:
 ORDER_COLUMNS = ("default_order", "baseline_first", "both_orders")
 
 
+def host_text(report: dict) -> str:
+    """A run's CPUs in a table cell (``env.cpu``, ``host_cpu.describe``), or "-"."""
+    cpu = (report.get("env") or {}).get("cpu") or {}
+    if not cpu.get("model"):
+        return "-"
+    ident = "/".join(cpu[k] for k in ("family", "model_number", "stepping") if cpu.get(k))
+    mhz = (cpu.get("mhz") or {}).get("mean")
+    return cpu["model"] + (f" {ident}" if ident else "") + (f", {mhz} MHz" if mhz else "")
+
+
 def markdown(reports: list[dict], names: list[str]) -> str:
     both = len({bool(r.get("baseline_first")) for r in reports}) == 2
     extra = (" | capture started first (over reps) | baseline started first (over reps) "
@@ -103,6 +116,9 @@ def markdown(reports: list[dict], names: list[str]) -> str:
              + " | over reps (95% CI), reps | over runs (95% CI), runs | forward reps | reversed reps"
              + extra + " |",
              "|---|---|---|" + "---|" * len(names) + "---|---|---|---|" + "---|" * (3 * both)]
+    if any(host_text(r) != "-" for r in reports):
+        lines.append("| host | cpu | - | " + " | ".join(host_text(r) for r in reports)
+                     + " | - | - | - | -" + " | -" * (3 * both) + " |")
     for workload in dict.fromkeys(m["workload"] for r in reports for m in r["measurements"]):
         scenarios = dict.fromkeys(m["scenario"] for r in reports for m in r["measurements"]
                                   if m["workload"] == workload)

@@ -850,6 +850,11 @@ def test_pool_pairs_reps_within_their_run_and_gives_runs_an_interval_of_their_ow
     md = markdown([run1, run2], ["a", "b"])
     assert "| decode-c64 | hidden-last | idle | 0.947 | - |" in md
     assert "| vanilla | idle |" not in md and "| decode-c64 | vanilla | vanilla |" not in md
+    assert "| host |" not in md  # neither run records its CPUs
+    run2["env"] = {"cpu": {"model": "Intel Xeon Processor", "family": "6", "model_number": "143",
+                           "stepping": "8", "mhz": {"mean": 2100}}}
+    host = markdown([run1, run2], ["a", "b"]).splitlines()[2]
+    assert host == "| host | cpu | - | - | Intel Xeon Processor 6/143/8, 2100 MHz | - | - | - | - |"
 
 
 def test_pool_splits_reps_run_forward_from_reps_run_reversed():
