@@ -122,12 +122,20 @@ class IterationLog:
             self._head[0] = i + 1
 
 
+#: The parts of a generate its CPU samples are counted in: its first iterations, the rest.
+PARTS = ("head", "steady")
+
+
+def part_label(generate: int, part: str) -> str:
+    return f"{generate}:{part}"
+
+
 def sample_label(generate: int, iteration: int) -> str | None:
-    """The CPU samples' label of a generate's ``iteration``-th iteration: its first iterations
-    and its steady ones apart (None: no generate is logging)."""
+    """The CPU samples' label of a generate's ``iteration``-th iteration (None: no generate is
+    logging)."""
     if generate < 0:
         return None
-    return f"{generate}:{'head' if iteration < FIRST_STEADY else 'steady'}"
+    return part_label(generate, PARTS[0] if iteration < FIRST_STEADY else PARTS[1])
 
 
 def switches_of(iteration: int, period: int = 2) -> tuple[bool, bool]:
@@ -343,8 +351,8 @@ def analyse(rows: np.ndarray, switch: str = "both", samples: dict | None = None)
                                                    / totals[g]))))
         if samples:
             out["cpu_samples"] = {part: C.compare(samples, [
-                (f"{g}:{part}", [f"{g - 1}:{part}", f"{g + 1}:{part}"]) for g in captures])
-                for part in ("steady", "head")}
+                (part_label(g, part), [part_label(g - 1, part), part_label(g + 1, part)])
+                for g in captures]) for part in reversed(PARTS)}
         capture = rows[np.isin(rows[:, 4], captures)]
         out["iterations"] = {"capture": len(capture),
                              "skipped": int(np.sum(capture[:, 3] == SKIPPED)),
