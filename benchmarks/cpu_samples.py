@@ -86,7 +86,7 @@ class Sampler:
         if self.label is None or frame is None:
             return
         self._samples += 1
-        # Counted by code object (named at the flush): the handler stays a few microseconds.
+        # Counted by code object, named at the flush: naming every frame here cost more.
         self._self[frame.f_code] += 1
         seen = set()
         while frame is not None and frame.f_code is not self.root:
@@ -125,9 +125,9 @@ def compare(samples: dict, pairs: list[tuple], top: int = 12) -> dict | None:
     """Each labelled run against those beside it: ``pairs`` holds ``(label, [labels beside])``.
     Milliseconds of CPU a label more than the mean of those beside it, for all samples and per
     function (self and inclusive), as a mean over ``pairs`` with its 95% interval; the functions
-    with the largest mean difference first (``top`` of each), and each function's share of the
-    samples beside and what it would add if every function ran longer in that proportion (a
-    slower CPU), to read a difference against its size."""
+    with the largest mean difference either way first (``top`` of each), and each function's
+    share of the samples beside and what it would add if every function ran longer in that
+    proportion (a slower CPU), to read a difference against its size."""
     pairs = [(label, near) for label, near in pairs
              if label in samples and any(n in samples for n in near)]
     if not pairs:
@@ -157,7 +157,7 @@ def compare(samples: dict, pairs: list[tuple], top: int = 12) -> dict | None:
             share = sum(samples[n][kind].get(key, 0) for n in beside) / total if total else 0.0
             rows.append({"function": key, **diff, "share_beside": round(share, 4),
                          "if_proportional_ms": round(share * everything["ms"], 3)})
-        rows.sort(key=lambda r: -r["ms"])
+        rows.sort(key=lambda r: -abs(r["ms"]))
         out[kind] = rows[:top]
     return out
 

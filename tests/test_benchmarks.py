@@ -1707,6 +1707,9 @@ def test_cpu_samples_compare_each_run_with_those_beside_it():
     assert g["if_proportional_ms"] == round(10 / 110 * 30.0, 3)
     assert out["inclusive"][0]["function"] == "f" and out["inclusive"][0]["ms"] == 0.0
     assert C.compare(samples, [(7, [8])]) is None
+    # The largest difference either way first: run 0 against runs 1 and 3 spends 15 fewer in g.
+    (g,) = C.compare(samples, [(0, [1, 3])], top=1)["self"]
+    assert g["function"] == "g" and g["ms"] == -30.0
     lines = C.table(out)
     assert lines[0].startswith("all +30.0 ms (") and lines[0].endswith("of 220 ms beside (2 pairs)")
     assert lines[1].startswith("g: +30.0 ms (") and "9.1% of the samples beside" in lines[1]
