@@ -128,29 +128,31 @@ def compare(samples: dict, pairs: list[tuple], top: int = 12) -> dict | None:
     with the largest mean difference either way first (``top`` of each), and each function's
     share of the samples beside and what it would add if every function ran longer in that
     proportion (a slower CPU), to read a difference against its size."""
-    pairs = [(label, near) for label, near in pairs
-             if label in samples and any(n in samples for n in near)]
+    # Only the labels sampled: a run's first or last idle neighbour may not exist.
+    pairs = [(label, [n for n in near if n in samples]) for label, near in pairs
+             if label in samples]
+    pairs = [(label, near) for label, near in pairs if near]
     if not pairs:
         return None
     interval_ms = 1e3 * samples[pairs[0][0]]["interval_s"]
 
     def differences(value) -> list[float]:
         return [interval_ms * (value(samples[label]) - statistics.fmean(
-            value(samples[n]) for n in near if n in samples)) for label, near in pairs]
+            value(samples[n]) for n in near)) for label, near in pairs]
 
     def interval(values: list[float]) -> dict:
         mean, half = R.mean_interval(values)
         return {"ms": round(mean, 3),
                 "ci95": None if half is None else [round(mean - half, 3), round(mean + half, 3)]}
 
-    beside = {n for _, near in pairs for n in near if n in samples}
+    beside = {n for _, near in pairs for n in near}
     everything = interval(differences(lambda s: s["samples"]))
+    total = sum(samples[n]["samples"] for n in beside)
     out = {"pairs": len(pairs), "all": everything,
-           "beside_ms": round(interval_ms * statistics.fmean(samples[n]["samples"] for n in beside), 1)}
+           "beside_ms": round(interval_ms * total / len(beside), 1)}
     for kind in ("self", "inclusive"):
         keys = set().union(*(samples[label][kind] for label, _ in pairs),
                            *(samples[n][kind] for n in beside))
-        total = sum(samples[n]["samples"] for n in beside)
         rows = []
         for key in keys:
             diff = interval(differences(lambda s, k=key: s[kind].get(k, 0)))
