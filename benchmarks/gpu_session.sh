@@ -206,13 +206,14 @@ PY
     # capture generates as shipped, timed the same way); PERIOD: iterations the step path's
     # switch stays on, then off (2 by default); SAMPLE_MS: sample the engine's main thread every
     # that many ms of its CPU time (cpu_samples.jsonl; the "cpu" lines: a capture generate's CPU
-    # by function against the idle generates beside it).
+    # by function against the idle generates beside it; the "wall" lines: whole generates as
+    # the client timed them, and the time outside the engine's iterations).
     timeout 420 python3 benchmarks/step_alternation.py --model 1b --out "$OUT" \
       --generates ${2:-60} --budget-s ${BUDGET_S:-240} --switch ${SWITCH:-both} --period ${PERIOD:-2} \
       ${SAMPLE_MS:+--sample-ms $SAMPLE_MS} >"$OUT/step_alternation.log" 2>&1
     echo "step-alternation rc=$?"; grep -E "^\{" "$OUT/step_alternation.log" | tail -1 | cut -c1-1500
     [ -f "$OUT/cpu_samples.jsonl" ] && gzip -f "$OUT/cpu_samples.jsonl"  # a file back: 16 MiB at most
-    grep -E "^cpu " "$OUT/step_alternation.log" | cut -c1-300
+    grep -E "^(wall|cpu) " "$OUT/step_alternation.log" | cut -c1-300
     ;;
   step-host)
     # Capture's step-path host time without an engine (seconds): on this host's CPU, with the

@@ -38,6 +38,13 @@ consecutive capturing steps shows in longer periods. Session 30, on one machine:
 of idle's speed and ``none`` 1.009; ``host``, ``nodes`` and ``none`` at ``--period 16`` 1.021,
 0.979 and 1.004: nothing that needs consecutive steps.
 
+The client times each generate too (``llm.generate``, ``generate_walls.npy``), as the benchmark
+does: ``wall_vs_idle`` beside ``generate_vs_idle`` (the iterations' sum), and
+``outside_vs_idle``, the time outside the engine's iterations (the outputs' way to the client,
+the engine between iterations) against the idle generates beside ("wall" lines). Session 31, on
+one machine: the iterations read capture 1.055 of idle's speed here while the benchmark on the
+same machine read hidden-last at 0.960 of idle, paired; the benchmark times the client.
+
 ``--sample-ms M`` samples the engine's main thread every M ms of the engine process's CPU time
 (``benchmarks/cpu_samples.py``): each capture generate's CPU by Python function against the idle
 generates beside it, its first ``FIRST_STEADY`` iterations (prefill, first planned decode) and
@@ -79,6 +86,10 @@ COLUMNS = 6
 HEAD = 3  # rows written, the current generate's index (-1: not logging), what it switches
 #: The engine's CPU samples (``--sample-ms``), beside the iteration log.
 SAMPLES = "cpu_samples.jsonl"
+#: Each generate's wall time in the client (``llm.generate``), by generate index, beside the
+#: iteration log: what the engine's iterations do not hold (the output's way to the client, the
+#: engine between iterations) is the difference.
+WALLS = "generate_walls.npy"
 #: A generate's iterations before this one hold its prefill and first planned decode steps;
 #: from it on, steady decode.
 FIRST_STEADY = 4
@@ -296,15 +307,19 @@ def is_capture(generate):
     return generate % 2 == 1
 
 
-def analyse(rows: np.ndarray, switch: str = "both", samples: dict | None = None) -> dict:
+def analyse(rows: np.ndarray, switch: str = "both", samples: dict | None = None,
+            walls: np.ndarray | None = None) -> dict:
     """By what the capture generates switched (the log's column, or ``switch`` for a log
     without it): each switch's cost in its own iteration and in the next (regression per
     capture generate, interval over generates); the capture generates' iteration with every
     switch off (the fitted base) and on, and their median steady iteration, against the idle
     generates' median steady iteration just before and after; whole generates against those
     beside them; and, given the engine's CPU ``samples`` (``cpu_samples.read_samples``), their
-    main thread's CPU by function against those beside them. The idle generates' median steady
-    iteration, and how many there are."""
+    main thread's CPU by function against those beside them; given the client's ``walls`` (a
+    generate's seconds by its index, NaN where not timed), whole generates as the client timed
+    them against those beside them, and the time outside the engine's iterations (wall less
+    iterations) against theirs. The idle generates' median steady iteration, and how many there
+    are."""
     fits, medians, totals, kinds = {}, {}, {}, {}
     for g in np.unique(rows[:, 4]).astype(int):
         mine = rows[rows[:, 4] == g]
@@ -318,10 +333,11 @@ def analyse(rows: np.ndarray, switch: str = "both", samples: dict | None = None)
                 fits[g] = fit
     idle = {g: medians[g] for g in totals if not is_capture(g)}
 
-    def against_idle(generates, value) -> list[float]:
-        """``value(g, near)``: ``near``, the idle generates just before and after ``g``."""
+    def against_idle(generates, value, among=idle) -> list[float]:
+        """``value(g, near)``: ``near``, the idle generates just before and after ``g`` (of
+        those ``among``)."""
         return [value(g, near) for g in generates
-                if (near := [h for h in (g - 1, g + 1) if h in idle])]
+                if (near := [h for h in (g - 1, g + 1) if h in among])]
 
     def idle_us(near) -> float:
         return statistics.fmean(idle[h] for h in near)
@@ -349,6 +365,16 @@ def analyse(rows: np.ndarray, switch: str = "both", samples: dict | None = None)
         out["generate_vs_idle"] = R.geometric_mean_interval(against_idle(
             captures, lambda g, near: float(np.log(statistics.fmean(totals[h] for h in near)
                                                    / totals[g]))))
+        if walls is not None:
+            wall = {g: float(walls[g]) for g in totals if g < len(walls) and walls[g] > 0}
+            outside = {g: (wall[g] - totals[g]) * 1e6 for g in wall}
+            timed, idle_timed = [g for g in captures if g in wall], {h for h in idle if h in wall}
+            out["wall_vs_idle"] = R.geometric_mean_interval(against_idle(
+                timed, lambda g, near: float(np.log(statistics.fmean(wall[h] for h in near)
+                                                    / wall[g])), idle_timed))
+            out["outside_vs_idle"] = paired(against_idle(
+                timed, lambda g, near: outside[g] - statistics.fmean(outside[h] for h in near),
+                idle_timed))
         if samples:
             out["cpu_samples"] = {part: C.compare(samples, [
                 (part_label(g, part), [part_label(g - 1, part), part_label(g + 1, part)])
@@ -427,7 +453,9 @@ def main() -> int:
         beside = Path(args.analyse).with_name(SAMPLES)
         if not beside.exists():
             beside = beside.with_name(SAMPLES + ".gz")  # as gpu_session.sh brings it back
-        return write_summary(np.load(args.analyse), out, kinds[0], beside)
+        walls = Path(args.analyse).with_name(WALLS)  # runs since session 31
+        return write_summary(np.load(args.analyse), out, kinds[0], beside,
+                             np.load(walls) if walls.exists() else None)
     # Asked of NVML: CUDA initialised here would fail the engine core forked from this process.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
@@ -456,6 +484,7 @@ def main() -> int:
         if c is not None:
             api.fetch_captured(llm, c.stream, clear=True)
             api.stop_capture(llm, c.stream)
+    walls = np.full(2 * args.generates, np.nan)
     started = time.perf_counter()
     for i in range(2 * args.generates):
         if args.budget_s is not None and i % 2 == 0 and time.perf_counter() - started > args.budget_s:
@@ -464,8 +493,11 @@ def main() -> int:
         c = cap if is_capture(i) else None
         if c is not None:
             api.start_capture(llm, c.stream, layers=c.layer_ids(shape), reduce=c.reduce)
+        batch = prompts.make(w)
         log.start_generate(i, "none" if c is None else kinds[(i // 2) % len(kinds)])
-        llm.generate(prompts.make(w), params, use_tqdm=False)
+        t0 = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        walls[i] = time.perf_counter() - t0
         log.stop()
         if c is not None:
             api.fetch_captured(llm, c.stream, clear=True)
@@ -475,19 +507,40 @@ def main() -> int:
     if wrong:
         raise SystemExit(wrong)
     np.save(out / "step_alternation.npy", rows)
+    np.save(out / WALLS, walls)
     if sampler is not None and not (out / SAMPLES).exists():
         raise SystemExit(f"--sample-ms: the engine wrote no {SAMPLES}")
-    return write_summary(rows, out, samples_path=out / SAMPLES)
+    return write_summary(rows, out, samples_path=out / SAMPLES, walls=walls)
+
+
+def wall_lines(result: dict) -> list[str]:
+    """One kind's whole generates as the engine's iterations and as the client timed them
+    (idle's speed over theirs), and the time outside the iterations against idle's."""
+    def ratio(r):
+        ci = r["ci95"]
+        return f"{r['value']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+
+    if result.get("wall_vs_idle") is None:
+        return []
+    lines = [f"iterations {ratio(result['generate_vs_idle'])}, client {ratio(result['wall_vs_idle'])}"
+             f" of idle's speed ({result['wall_vs_idle']['pairs']} pairs)"]
+    outside = result.get("outside_vs_idle")
+    if outside:
+        lines.append(f"outside the iterations {outside['us'] / 1e3:+.2f} ms a generate "
+                     f"({outside['ci95'][0] / 1e3:+.2f} to {outside['ci95'][1] / 1e3:+.2f})")
+    return lines
 
 
 def write_summary(rows: np.ndarray, out: Path, switch: str = "both",
-                  samples_path: Path | None = None) -> int:
+                  samples_path: Path | None = None, walls: np.ndarray | None = None) -> int:
     samples = (C.read_samples(samples_path) if samples_path is not None and samples_path.exists()
                else None)
-    summary = analyse(rows, switch, samples)
+    summary = analyse(rows, switch, samples, walls)
     (out / "step_alternation.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary), flush=True)
     for kind, result in summary["switches"].items():
+        for line in wall_lines(result):
+            print(f"wall {kind}: {line}", flush=True)
         for part, compared in (result.get("cpu_samples") or {}).items():
             for line in C.table(compared):
                 print(f"cpu {kind} {part}: {line}", flush=True)

@@ -1474,6 +1474,39 @@ def test_analyse_reads_capture_generates_against_the_idle_generates_beside_them(
     # The median steady iteration: as many with the host on as off, between 2900 and 2940.
     assert 95 <= out["iteration_vs_idle"]["us"] <= 145
     assert out["iterations"]["planned"] == 6 and out["iterations"]["capture"] == 3 * 256
+    assert "wall_vs_idle" not in out and SA.wall_lines(out) == []
+
+
+def test_analyse_reads_the_clients_wall_time_and_the_time_outside_the_iterations():
+    """The client's generate times beside the iterations: capture 30 ms a generate more outside
+    the engine's iterations than idle (an untimed idle generate left out); its iterations 20 ms
+    shorter."""
+    import numpy as np
+
+    from benchmarks import step_alternation as SA
+
+    rng = np.random.default_rng(4)
+    costs = {"host": 0.0, "host_before": 0.0, "nodes": 0.0, "nodes_before": 0.0}
+    rows, walls = [], np.full(8, np.nan)
+    for g in range(7):
+        us, outside_s = (2800.0 - 20e3 / 256, 0.080) if SA.is_capture(g) else (2800.0, 0.050)
+        mine = (_alternating_rows(g, costs, us, rng, noise_us=1.0, switch="none")
+                if SA.is_capture(g) else _idle_rows(g, us, rng, noise_us=1.0))
+        rows += mine
+        walls[g] = sum(r[0] for r in mine) + outside_s
+    walls[4] = np.nan  # not timed: generate 3 and 5 have one timed idle generate beside each
+    out = SA.analyse(np.array(rows), walls=walls)["switches"]["none"]
+    assert out["outside_vs_idle"]["us"] == pytest.approx(30e3, abs=50)
+    assert out["outside_vs_idle"]["generates"] == 3
+    idle_s, capture_s = 256 * 2800e-6, 256 * 2800e-6 - 20e-3
+    assert out["generate_vs_idle"]["value"] == pytest.approx(idle_s / capture_s, rel=1e-3)
+    assert out["wall_vs_idle"]["value"] == pytest.approx((idle_s + 0.05) / (capture_s + 0.08),
+                                                         rel=1e-3)
+    assert out["wall_vs_idle"]["pairs"] == 3
+    lines = SA.wall_lines(out)
+    assert lines[0].startswith(f"iterations {idle_s / capture_s:.3f} (")
+    assert f"client {(idle_s + 0.05) / (capture_s + 0.08):.3f} (" in lines[0]
+    assert lines[1].startswith("outside the iterations +30.00 ms a generate (")
 
 
 def test_analyse_reads_each_switch_kind_of_one_run_apart():
@@ -1579,6 +1612,9 @@ def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_pa
     rows = _idle_rows(0, 2800.0, rng, iterations=64)
     rows += _alternating_rows(1, costs, 2800.0, rng, noise_us=2.0, iterations=64, switch="none")
     np.save(tmp_path / "log.npy", np.array(rows)[:, :5])
+    # The client's generate times beside it (runs since session 31): 10 ms more outside.
+    np.save(tmp_path / SA.WALLS, np.array([sum(r[0] for r in rows[:64]) + 0.02,
+                                           sum(r[0] for r in rows[64:]) + 0.03]))
     # The engine's CPU samples beside it, gzipped as gpu_session.sh brings them back: the
     # capture generate's steady iterations 4 ms longer, in one function; its first ones 1 ms
     # shorter.
@@ -1597,6 +1633,8 @@ def test_step_alternation_refuses_a_cpu_and_analyses_a_saved_log_anywhere(tmp_pa
     printed = capsys.readouterr().out
     assert "\ncpu none steady: all +4.0 ms a generate, of 100 ms beside (1 pairs)\n" in printed
     assert "\ncpu none head: all -1.0 ms a generate, of 10 ms beside (1 pairs)\n" in printed
+    assert "\nwall none: outside the iterations" not in printed  # one pair: no interval
+    assert "\nwall none: iterations " in printed
     summary = json.loads((tmp_path / "again" / "step_alternation.json").read_text())
     assert summary["idle_generates"] == 1 and list(summary["switches"]) == ["none"]
     plain = summary["switches"]["none"]
