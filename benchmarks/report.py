@@ -66,6 +66,34 @@ def paired_ratio(base: list[dict], reps: list[dict]) -> dict | None:
         for k, (s, tokens) in own_s.items() if k in base_s])
 
 
+def iteration_split(base: list[dict], reps: list[dict]) -> dict | None:
+    """A generate's time split where the engine spent it (``run.py``'s ``engine_iterations_s``,
+    ``benchmarks/engine_iterations.py``), rep by rep against the baseline's generates of the
+    same rep: ``iterations``, the baseline's iteration seconds over these (geometric mean, 95%
+    interval; below 1: slower), and ``outside_ms``, the rest of the generate (``gen_s`` less the
+    iterations) in ms more than the baseline's (mean, 95% interval). None where fewer than one
+    rep of each has the split."""
+    def per_rep(ms: list[dict]) -> dict:
+        sums: dict = {}
+        for i, m in enumerate(ms):
+            if m.get("engine_iterations_s") is None:
+                continue
+            inside, outside = sums.get(m.get("rep", i), (0.0, 0.0))
+            sums[m.get("rep", i)] = (inside + m["engine_iterations_s"],
+                                     outside + m["gen_s"] - m["engine_iterations_s"])
+        return sums
+
+    base_s, own_s = per_rep(base), per_rep(reps)
+    common = [k for k in own_s if k in base_s]
+    if not common:
+        return None
+    mean, half = mean_interval([(own_s[k][1] - base_s[k][1]) * 1e3 for k in common])
+    return {"iterations": geometric_mean_interval([math.log(base_s[k][0] / own_s[k][0])
+                                                   for k in common]),
+            "outside_ms": {"ms": mean, "ci95": None if half is None else [mean - half, mean + half],
+                           "reps": len(common)}}
+
+
 def mean_interval(values: list[float]) -> tuple[float, float | None]:
     """The mean of ``values`` and the half width of its 95% interval (t; None for one value)."""
     mean = sum(values) / len(values)
@@ -169,6 +197,11 @@ def aggregate(reps: list[dict]) -> dict:
         # By the scenario whose generate ran just before (``{}`` when the measurements do not say).
         "tok_s_by_after": median_tok_s_by(reps, lambda r: r.get("after")),
         "threads_ms_per_step": threads_ms_per_step(reps),
+        # The engine's iterations during the generate, and the rest of it (iteration_split).
+        "iterations_s": _median(per_rep(lambda r: r.get("engine_iterations_s"))),
+        "outside_iterations_ms": _median(per_rep(
+            lambda r: None if r.get("engine_iterations_s") is None
+            else (r["gen_s"] - r["engine_iterations_s"]) * 1e3)),
         # What the GPU ran at during the generates (NVML, sampled on the client's thread); its
         # ``samples``: the reps that read it.
         "gpu": gpu_summary([r["gpu"] for r in reps if r.get("gpu")]),
@@ -224,6 +257,10 @@ def summarize(measurements: list[dict]) -> dict[str, dict[str, dict]]:
         agg["engine"] = engines[(workload, scenario)]
         base_reps = groups.get((workload, BASELINE))
         agg["ratio_paired_e2e"] = paired_ratio(base_reps, reps) if base_reps else None
+        idle_reps = groups.get((workload, IDLE))
+        agg["split_vs"] = {
+            against: split for against, others in ((BASELINE, base_reps), (IDLE, idle_reps))
+            if others and against != scenario and (split := iteration_split(others, reps))}
         table.setdefault(workload, {})[scenario] = agg
     for rows in table.values():
         base = rows.get(BASELINE, {}).get("tok_s")
@@ -417,6 +454,36 @@ def _threads_table(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def split_texts(split: dict) -> list[str]:
+    """An ``iteration_split`` as text: the iterations' ratio, the ms more outside them."""
+    ratio, extra = split["iterations"], split["outside_ms"]
+    ci, ci_ms = ratio["ci95"], extra["ci95"]
+    return [_f(ratio["value"]) + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else ""),
+            f"{extra['ms']:+.1f}" + (f" ({ci_ms[0]:+.1f} to {ci_ms[1]:+.1f})" if ci_ms else "")]
+
+
+def _split_table(rows: dict[str, dict]) -> list[str]:
+    """Markdown lines: each scenario's engine iterations during the generate and the rest of it
+    (medians), and against vanilla and idle rep by rep (``iteration_split``)."""
+    if not any(a.get("iterations_s") is not None for a in rows.values()):
+        return []
+    againsts = [b for b in (BASELINE, IDLE) if any(b in a.get("split_vs", {}) for a in rows.values())]
+    lines = ["", "The engine's iterations during the generate (`_process_engine_step`) and the rest "
+             "of the generate (the outputs' way to the client, the engine between iterations), "
+             "medians; against another scenario rep by rep: its iteration seconds over these "
+             "(below 1: slower), and ms more outside:", "",
+             "| scenario | iterations s | outside ms | "
+             + " | ".join(f"iterations vs {b} | outside vs {b} ms" for b in againsts) + " |",
+             "|---|---|---|" + "---|---|" * len(againsts)]
+    for name, a in rows.items():
+        cells = [_f(a.get("iterations_s"), "{:.4f}"), _f(a.get("outside_iterations_ms"), "{:.1f}")]
+        for b in againsts:
+            split = a.get("split_vs", {}).get(b)
+            cells += split_texts(split) if split else ["-", "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _gpu_table(rows: dict[str, dict]) -> list[str]:
     """Markdown lines: what the GPU ran at during each scenario's generates (NVML)."""
     shown = {name: a["gpu"] for name, a in rows.items() if a.get("gpu")}
@@ -523,6 +590,7 @@ def markdown(report: dict) -> str:
             "Median generate tok/s by the scenario that ran just before (a capture's fetch can "
             "slow the next generate, on any engine):")
         lines += _threads_table(rows)
+        lines += _split_table(rows)
         lines += _gpu_table(rows)
         lines += _replays_table(rows)
     lines.append("")

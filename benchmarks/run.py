@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import engine_iterations  # noqa: E402
 from benchmarks import engine_state as E  # noqa: E402
 from benchmarks import host_cpu  # noqa: E402
 from benchmarks import report as R  # noqa: E402
@@ -339,6 +340,8 @@ class EngineRun:
         self.unavailable: dict[str, str] = {}
         self.engine_pids: dict[str, list[int]] = {}  # engine name -> the processes it started
         self.engine_cpu_groups: list[list[int]] = []  # the CPU groups the engines rotate over
+        self.iterations = engine_iterations.IterationClock()
+        self.generates_timed = 0
 
     def emit(self, engine: str, **record) -> None:
         self.events.write(json.dumps({"engine": engine, **record}) + "\n")
@@ -361,6 +364,8 @@ class EngineRun:
                 traceback.print_exc()
 
     def start(self) -> None:
+        # Before the first engine core forks from this process: each inherits the clock.
+        engine_iterations.install(self.iterations)
         engine_pids = {}
         for name in self.engine_names:
             before = set(descendants(os.getpid()))
@@ -495,10 +500,14 @@ class EngineRun:
         # client (whose one process serves every engine).
         engine_procs = self.engine_processes(scen.engine)
         threads_before = thread_times(engine_procs), thread_times([os.getpid()])
+        generate = self.generates_timed % engine_iterations.CAPACITY
+        self.generates_timed += 1
         with GpuSampler(self.nvml) as gpu:
+            self.iterations.start(generate)
             t = time.perf_counter()
             outs = llm.generate(batch, params, use_tqdm=False)
             gen_s = time.perf_counter() - t
+            self.iterations.stop()
         threads_after = thread_times(engine_procs), thread_times([os.getpid()])
         rec = {"type": "measure", "workload": w.name, "scenario": scen.name, "rep": rep,
                "gen_s": gen_s, "steps": w.new_tokens,
@@ -517,6 +526,10 @@ class EngineRun:
                 self.api.stop_capture(llm, cap.stream)
         after = self.counters(scen.engine)
         rec.update({k: after[k] - before[k] for k in after if after[k] is not None and before.get(k) is not None})
+        # Read past the fetch: an iteration that ended after the generate returned has ended.
+        iterations = self.iterations.read(generate)
+        if iterations is not None:
+            rec["engine_iterations_s"], rec["engine_iterations"] = iterations
         rec.update(client_peak_rss=_proc_status(os.getpid(), "VmHWM"),
                    engine_peak_rss=peak_rss(descendants(os.getpid())),
                    nvml_used=self.nvml.used())
@@ -980,6 +993,13 @@ def print_summary(rep: dict, out_dir: Path) -> None:
             e2e = "-" if a["ratio_e2e"] is None else f"{a['ratio_e2e']:.3f}"
             print(f"   {name:<20} {a['tok_s']:>9.0f} {ratio:>6} {e2e:>6} {R.paired_text(a):>19} "
                   f"{a['gbps']:>7.2f} {a['rows']:>10.0f} {'' if a['complete'] else 'INCOMPLETE'}")
+        for name, a in rows.items():
+            if name == S.BASELINE:
+                continue
+            for against, split in (a.get("split_vs") or {}).items():
+                iterations, outside = R.split_texts(split)
+                print(f"   {name} against {against}: engine iterations {iterations}, "
+                      f"outside them {outside} ms a generate")
     for e, info in rep["engines"].items():
         if info.get("error"):
             print(f"engine {e}: {info['error'][:300]}")

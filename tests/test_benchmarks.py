@@ -553,6 +553,36 @@ def test_report_gives_each_capture_scenarios_replays_from_copies_and_idle_nodes_
     assert "from a copy" not in R.markdown(_report(_m("vanilla", 1000.0)))
 
 
+def test_report_splits_each_generate_into_engine_iterations_and_the_rest():
+    """Rep by rep against vanilla and idle: hidden-last's iterations as long as idle's and 20 ms
+    more outside them (rep 1: 30, rep 0: 10); vanilla's own split is against idle only; a
+    scenario without the split (an engine core spawned, not forked) reads none."""
+    ms = [*_m("vanilla", 1000.0, engine_iterations_s=0.9),
+          *_m("idle", 1000.0, engine_iterations_s=0.9),
+          {**_m("hidden-last", 1000.0 / 1.01, reps=(0,), engine_iterations_s=0.9)[0]},
+          {**_m("hidden-last", 1000.0 / 1.03, reps=(1,), engine_iterations_s=0.9)[0]},
+          *_m("hidden-4l", 900.0)]
+    t = R.summarize(ms)["decode-c64"]
+    last = t["hidden-last"]
+    assert last["iterations_s"] == pytest.approx(0.9)
+    assert last["outside_iterations_ms"] == pytest.approx(120.0)
+    for against in ("vanilla", "idle"):
+        split = last["split_vs"][against]
+        assert split["iterations"]["value"] == pytest.approx(1.0)
+        assert split["outside_ms"]["ms"] == pytest.approx(20.0)
+        assert split["outside_ms"]["reps"] == 2 and split["outside_ms"]["ci95"][0] < 20.0
+    assert list(t["vanilla"]["split_vs"]) == ["idle"] and t["hidden-4l"]["split_vs"] == {}
+    assert t["hidden-4l"]["iterations_s"] is None
+    md = R.markdown(_report(ms))
+    assert "| scenario | iterations s | outside ms | iterations vs vanilla | outside vs vanilla ms " \
+        "| iterations vs idle | outside vs idle ms |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| hidden-last | 0.9000 |"))
+    assert "| 120.0 | 1.000 (1.000-1.000) | +20.0 (" in row
+    assert "| hidden-4l | - | - | - | - | - | - |" in md
+    # No generate with the split: no table.
+    assert "iterations s" not in R.markdown(_report(_m("vanilla", 1000.0)))
+
+
 def test_report_says_when_the_baseline_started_first():
     rep = _report(_m("vanilla", 1000.0))
     assert "--baseline-first" not in R.markdown(rep)
@@ -805,6 +835,70 @@ def test_releases_and_graph_probe_run_after_the_generates_counters(tmp_path):
     calls.clear()
     rec = run.measure(S.SCENARIOS["vanilla"], S.decode(8), 0)
     assert calls == ["generate", "device_state"] and "released" not in rec
+
+
+def test_measure_reads_the_engine_iterations_begun_during_its_generate(tmp_path):
+    """The engine's iterations add to the generate current when each began (here: two during
+    the generate, one begun during it that ends after it returned, one after it); a generate
+    whose engine counted nothing (spawned, not forked) has no split."""
+    run = _engine_run(tmp_path, ["vanilla"], reps=1)
+    clock = run.iterations
+
+    class Engine:
+        def generate(self, *args, **kwargs):
+            current = clock.current
+            clock.add(current, 0.25)
+            clock.add(current, 0.5)
+            engine.late = current
+            return []
+
+    engine = Engine()
+    run.llms["vanilla-graph"] = engine
+    rec = run.measure(S.SCENARIOS["vanilla"], S.decode(8), 0)
+    assert (rec["engine_iterations_s"], rec["engine_iterations"]) == (0.75, 2)
+    assert clock.current == -1
+    clock.add(engine.late, 0.125)  # what the client reads next time it reads that generate
+    clock.add(clock.current, 9.0)  # between generates: nobody's
+    assert clock.read(engine.late) == (0.875, 3)
+    run.llms["vanilla-graph"] = type("Idle", (), {"generate": lambda *a, **k: []})()
+    rec = run.measure(S.SCENARIOS["vanilla"], S.decode(8), 1)
+    assert "engine_iterations_s" not in rec and run.generates_timed == 2
+
+
+def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(monkeypatch):
+    """The forked engine adds, the client reads; ``install`` patches vLLM's engine step once,
+    and the patched step adds to the clock of the latest install."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from benchmarks import engine_iterations as EI
+
+    clock = EI.IterationClock(capacity=4)
+    clock.start(3)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            clock.add(clock.current, 0.5)
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert clock.read(3) == (0.5, 1) and clock.read(2) is None
+    with pytest.raises(ValueError, match="generate: 4 is outside"):
+        clock.start(4)
+    clock.start(3)  # a generate's sums start from zero
+    assert clock.read(3) is None
+
+    steps = []
+    monkeypatch.setattr(EngineCoreProc, "_process_engine_step", lambda core: steps.append(core) or 7)
+    monkeypatch.setattr(EI, "_clock", None)
+    EI.install(clock)
+    patched = EngineCoreProc._process_engine_step
+    assert patched(object()) == 7 and clock.read(3)[1] == 1
+    other = EI.IterationClock(capacity=2)
+    other.start(1)
+    EI.install(other)
+    assert EngineCoreProc._process_engine_step is patched
+    patched(object())
+    assert other.read(1)[1] == 1 and clock.read(3)[1] == 1 and len(steps) == 2
 
 
 def test_release_after_capture_names_a_known_release():
