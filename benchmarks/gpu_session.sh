@@ -238,8 +238,11 @@ PY
     # The 1B's last-token target: 80 reps of vanilla, idle and hidden-last side by side (about 8
     # minutes). A 1B pair spreads by 11-16% on the H200 host, so the paired ratio's 95% interval
     # (in the check line) is about +-4% after 80 reps; the target is decided where it clears 0.97.
+    # The engine started later reads faster (session 31: a second vanilla engine 0.964 of vanilla
+    # started first, 1.114 started last): BENCH_ARGS=--baseline-first starts vanilla first, so
+    # that the pool's "both orders" weighs runs of either order.
     python3 benchmarks/run.py --suite quick --scenarios vanilla,idle,hidden-last --reps 80 \
-      --budget-s 500 --grace-s 30 --out "$OUT" 2>&1 | tail -n 12
+      --budget-s 500 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 16
     ;;
   bench-1b-alone)
     # bench-1b-paired without the vanilla engine: the capture engine alone in the benchmark's
@@ -249,7 +252,7 @@ PY
     # step_alternation.py's whole generates read 1.022. (REPS: 80 by default, about 5 minutes
     # with the engine's start.)
     python3 benchmarks/run.py --suite quick --engines capture-graph --scenarios idle,hidden-last \
-      --reps ${2:-80} --budget-s ${BUDGET_S:-260} --grace-s 30 --out "$OUT" 2>&1 | tail -n 12
+      --reps ${2:-80} --budget-s ${BUDGET_S:-260} --grace-s 30 --out "$OUT" 2>&1 | tail -n 14
     ;;
   bench-1b-control)
     # The 1B's graph targets with a second vanilla engine (vanilla-b, started first): how far
@@ -265,7 +268,7 @@ PY
     # timed engine loads its compiled model from the cache: by default the capture engine and the
     # control compile in their own processes and vanilla loads, about 15 s more in all.)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
-      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 15
+      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 22
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph
@@ -289,7 +292,7 @@ PY
     # (session 21: 260 s; the control read 0.998, idle 0.990 paired, 0 idle nodes run).
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
       --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l,heads-4l,heavy --reps 6 --budget-s 420 \
-      --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 20
+      --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 32
     ;;
   bench-8b-idle)
     # The 8B's idle engine against vanilla and the control: idle read 0.990-1.014 (session 10)
@@ -299,7 +302,7 @@ PY
     # one 10-minute call: `PACKAGE_AT=e7f71b2 bash ... bench-8b-idle; bash ... bench-8b-idle`.)
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
       --scenarios vanilla,vanilla-b,idle --reps ${2:-12} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
-      --out "$OUT" 2>&1 | tail -n 8
+      --out "$OUT" 2>&1 | tail -n 11
     # Its generates in order, with the GPU's NVML readings: the first idle against the later ones.
     RUN_DIR=$(ls -d "$OUT"/results/*-full-8b 2>/dev/null | tail -1)
     [ -n "$RUN_DIR" ] && python3 benchmarks/sequence.py "$RUN_DIR" \
