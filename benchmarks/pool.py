@@ -19,6 +19,11 @@ idle against vanilla, over nine runs: 1.006 forward, 0.948 reversed).
 A row "host / cpu" names each run's CPUs where its ``results.json`` records them (``env.cpu``,
 since session 30): the 1B's capture cost moved by several percent from machine to machine.
 
+Where runs split each generate into the engine's iterations and the rest (``run.py``'s
+``engine_iterations_s``, since session 31), a second table pools that split over their reps
+(``report.iteration_split``): whether a scenario's cost against another lies in the engine's
+iterations or outside them.
+
 Where the runs were started in both engine orders (``run.py --baseline-first`` for some), three
 more columns pool each order's reps apart and weigh the two orders equally: the engine started
 later read faster in either order (session 21: idle 0.983 of vanilla started last, 1.028 of
@@ -74,7 +79,9 @@ def pool(reports: list[dict], workload: str, scenario: str, against: str) -> dic
             "both_orders": equal_weight(orders[False], orders[True]) if len(orders) == 2 else None,
             # run.py lists a rep's scenarios as given in even reps and reversed in odd ones.
             "forward": R.paired_ratio(in_order(base_all, 0), in_order(own_all, 0)),
-            "reversed": R.paired_ratio(in_order(base_all, 1), in_order(own_all, 1))}
+            "reversed": R.paired_ratio(in_order(base_all, 1), in_order(own_all, 1)),
+            # Over the reps whose runs split each generate (``report.iteration_split``).
+            "split": R.iteration_split(base_all, own_all)}
 
 
 def equal_weight(a: dict, b: dict) -> dict:
@@ -116,6 +123,7 @@ def markdown(reports: list[dict], names: list[str]) -> str:
              + " | over reps (95% CI), reps | over runs (95% CI), runs | forward reps | reversed reps"
              + extra + " |",
              "|---|---|---|" + "---|" * len(names) + "---|---|---|---|" + "---|" * (3 * both)]
+    splits: list[str] = []
     if any(host_text(r) != "-" for r in reports):
         lines.append("| host | cpu | - | " + " | ".join(host_text(r) for r in reports)
                      + " | - | - | - | -" + " | -" * (3 * both) + " |")
@@ -139,6 +147,16 @@ def markdown(reports: list[dict], names: list[str]) -> str:
                              f"| {_interval_text(p['over_reps'])} | {_interval_text(p['over_runs'])} "
                              f"| {_interval_text(p['forward'])} | {_interval_text(p['reversed'])}"
                              f"{orders} |")
+                if p["split"]:
+                    splits.append(f"| {workload} | {scenario} | {against} | "
+                                  + " | ".join(R.split_texts(p["split"]))
+                                  + f" | {p['split']['outside_ms']['reps']} |")
+    if splits:
+        lines += ["", "Over the reps of runs that split each generate (`engine_iterations_s`): the "
+                  "other scenario's engine iterations over these (below 1: slower), and the ms "
+                  "more outside them:", "",
+                  "| workload | scenario | against | engine iterations | outside them, ms | reps |",
+                  "|---|---|---|---|---|---|", *splits]
     return "\n".join(lines) + "\n"
 
 

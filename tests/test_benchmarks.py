@@ -951,6 +951,29 @@ def test_pool_pairs_reps_within_their_run_and_gives_runs_an_interval_of_their_ow
     assert host == "| host | cpu | - | - | Intel Xeon Processor 6/143/8, 2100 MHz | - | - | - | - |"
 
 
+def test_pool_gives_the_iteration_split_over_the_reps_of_runs_that_have_it():
+    """Rep 0 of each run pairs within its run: hidden-last 20 ms more outside the engine's
+    iterations than idle in run 1, 40 ms in run 2; a run without the split adds nothing."""
+    from benchmarks.pool import markdown, pool
+
+    def run(outside_s, split=True):
+        own = _m("hidden-last", 1000.0 / (1.0 + outside_s), reps=(0,))
+        idle = _m("idle", 1000.0, reps=(0,))
+        if split:
+            own[0]["engine_iterations_s"] = idle[0]["engine_iterations_s"] = 0.9
+        return {"measurements": idle + own + _m("vanilla", 1000.0, reps=(0,))}
+
+    p = pool([run(0.02), run(0.04), run(0.5, split=False)], "decode-c64", "hidden-last", "idle")
+    assert p["split"]["outside_ms"]["ms"] == pytest.approx(30.0)
+    assert p["split"]["outside_ms"]["reps"] == 2
+    assert p["split"]["iterations"]["value"] == pytest.approx(1.0)
+    assert pool([run(0.02)], "decode-c64", "hidden-last", "vanilla")["split"] is None
+    md = markdown([run(0.02), run(0.04)], ["a", "b"])
+    assert "| workload | scenario | against | engine iterations | outside them, ms | reps |" in md
+    assert "| decode-c64 | hidden-last | idle | 1.000 (1.000-1.000) | +30.0 (" in md
+    assert "engine iterations" not in markdown([run(0.02, split=False)], ["a"])
+
+
 def test_pool_splits_reps_run_forward_from_reps_run_reversed():
     """Even reps ran the scenarios in the order given, odd reps reversed: each order's reps pool
     apart (here hidden-last reads 0.9 forward and 1.1 reversed, in both runs)."""
