@@ -13,8 +13,9 @@ the first is built, is inherited by each engine core vLLM forks from it; each it
 its duration to the generate that was current when it began, in anonymous shared pages made
 before the fork, which the client reads. An iteration that began in a generate and ends after
 the client's ``generate`` returned (the last step's output left before its iteration ended)
-still counts for it; the client reads a generate's sums once its capture was fetched and
-stopped. An engine core that vLLM spawns instead inherits nothing: its generates read None.
+still counts for it: before reading a generate's sums the client waits, a second at most, for
+an iteration of it still running (``settle``). An engine core that vLLM spawns instead
+inherits nothing: its generates read None.
 """
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ _clock: "IterationClock | None" = None
 
 class IterationClock:
     """Per generate index: seconds of engine iterations begun while it was current, and their
-    count. Index -1: no generate is current (iterations then are not counted)."""
+    count; and the generate of the iteration running now. Index -1: none (iterations begun
+    while no generate is current are not counted)."""
 
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
-        self._map = mmap.mmap(-1, 8 * (2 * capacity + 1))
+        self._map = mmap.mmap(-1, 8 * (2 * capacity + 2))
         values = np.frombuffer(self._map, dtype=np.float64)
-        self._current = values[:1]
-        self.sums = values[1:].reshape(capacity, 2)
-        self._current[0] = -1
+        self._current, self._running = values[:1], values[1:2]
+        self.sums = values[2:].reshape(capacity, 2)
+        self._current[0] = self._running[0] = -1
 
     def start(self, generate: int) -> None:
         if not 0 <= generate < self.capacity:
@@ -54,9 +56,23 @@ class IterationClock:
     def current(self) -> int:
         return int(self._current[0])
 
+    def begin(self) -> int:
+        """The engine, as an iteration begins: the generate it counts for."""
+        generate = self.current
+        self._running[0] = generate
+        return generate
+
     def add(self, generate: int, seconds: float) -> None:
+        """The engine, as an iteration of ``generate`` ends."""
         if 0 <= generate < self.capacity:
             self.sums[generate] += (seconds, 1.0)
+        self._running[0] = -1
+
+    def settle(self, generate: int, timeout_s: float = 1.0) -> None:
+        """Wait until no iteration of ``generate`` is running (at most ``timeout_s``)."""
+        deadline = time.perf_counter() + timeout_s
+        while int(self._running[0]) == generate and time.perf_counter() < deadline:
+            time.sleep(0.0002)
 
     def read(self, generate: int) -> tuple[float, int] | None:
         """``(seconds, iterations)`` of ``generate``; None where no iteration was counted."""
@@ -76,7 +92,7 @@ def install(clock: IterationClock) -> None:
 
         def timed_engine_step(core):
             clock = _clock  # as it was when this engine core forked
-            generate = clock.current
+            generate = clock.begin()
             t0 = time.perf_counter()
             try:
                 return engine_step(core)

@@ -526,7 +526,8 @@ class EngineRun:
                 self.api.stop_capture(llm, cap.stream)
         after = self.counters(scen.engine)
         rec.update({k: after[k] - before[k] for k in after if after[k] is not None and before.get(k) is not None})
-        # Read past the fetch: an iteration that ended after the generate returned has ended.
+        # An iteration of the generate can end after it returned (the last output left first).
+        self.iterations.settle(generate)
         iterations = self.iterations.read(generate)
         if iterations is not None:
             rec["engine_iterations_s"], rec["engine_iterations"] = iterations

@@ -838,31 +838,43 @@ def test_releases_and_graph_probe_run_after_the_generates_counters(tmp_path):
 
 
 def test_measure_reads_the_engine_iterations_begun_during_its_generate(tmp_path):
-    """The engine's iterations add to the generate current when each began (here: two during
-    the generate, one begun during it that ends after it returned, one after it); a generate
-    whose engine counted nothing (spawned, not forked) has no split."""
+    """The engine's iterations add to the generate current when each began: two during the
+    generate, and one begun during it that ends 50 ms after it returned, which ``measure``
+    waits for; one begun after it is nobody's. A generate whose engine counted nothing
+    (spawned, not forked) has no split."""
+    import threading
+
     run = _engine_run(tmp_path, ["vanilla"], reps=1)
     clock = run.iterations
 
+    def late_iteration(generate):
+        time.sleep(0.05)
+        clock.add(generate, 0.125)
+
     class Engine:
         def generate(self, *args, **kwargs):
-            current = clock.current
-            clock.add(current, 0.25)
-            clock.add(current, 0.5)
-            engine.late = current
+            for seconds in (0.25, 0.5):
+                clock.add(clock.begin(), seconds)
+            threading.Thread(target=late_iteration, args=(clock.begin(),)).start()
             return []
 
-    engine = Engine()
-    run.llms["vanilla-graph"] = engine
+    run.llms["vanilla-graph"] = Engine()
+    t0 = time.perf_counter()
     rec = run.measure(S.SCENARIOS["vanilla"], S.decode(8), 0)
-    assert (rec["engine_iterations_s"], rec["engine_iterations"]) == (0.75, 2)
+    assert time.perf_counter() - t0 >= 0.04
+    assert (rec["engine_iterations_s"], rec["engine_iterations"]) == (0.875, 3)
     assert clock.current == -1
-    clock.add(engine.late, 0.125)  # what the client reads next time it reads that generate
-    clock.add(clock.current, 9.0)  # between generates: nobody's
-    assert clock.read(engine.late) == (0.875, 3)
+    clock.add(clock.begin(), 9.0)  # between generates: nobody's
+    assert clock.read(0) == (0.875, 3)
     run.llms["vanilla-graph"] = type("Idle", (), {"generate": lambda *a, **k: []})()
     rec = run.measure(S.SCENARIOS["vanilla"], S.decode(8), 1)
     assert "engine_iterations_s" not in rec and run.generates_timed == 2
+    # An iteration that never ends: the wait gives up.
+    clock.start(5)
+    clock.begin()
+    t0 = time.perf_counter()
+    clock.settle(5, timeout_s=0.05)
+    assert 0.04 <= time.perf_counter() - t0 < 1.0
 
 
 def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(monkeypatch):
@@ -877,7 +889,7 @@ def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(m
     pid = os.fork()
     if pid == 0:
         try:
-            clock.add(clock.current, 0.5)
+            clock.add(clock.begin(), 0.5)
         finally:
             os._exit(0)
     assert os.waitpid(pid, 0)[1] == 0
