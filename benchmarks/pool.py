@@ -96,10 +96,7 @@ def equal_weight(a: dict, b: dict) -> dict:
 
 
 def _interval_text(x: dict | None) -> str:
-    if x is None:
-        return "-"
-    ci = x["ci95"]
-    return f"{x['value']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "") + f", {x['pairs']}"
+    return "-" if x is None else f"{R.ratio_text(x)}, {x['pairs']}"
 
 
 ORDER_COLUMNS = ("default_order", "baseline_first", "both_orders")

@@ -52,18 +52,25 @@ def paired_ratio(base: list[dict], reps: list[dict]) -> dict | None:
     the log ratios). Adjacent generates share the host's slow drift, so a rep's pair cancels it
     where medians of each side do not (on the H200 host, 1B generates vary by 15% rep to rep).
     A rep of several generates (``run.py --block``) counts as their tokens over their seconds."""
-    def per_rep(ms: list[dict], seconds) -> dict:
-        sums: dict = {}
-        for i, m in enumerate(ms):
-            s, tokens = sums.get(m.get("rep", i), (0.0, 0))
-            sums[m.get("rep", i)] = (s + seconds(m), tokens + m["generated_tokens"])
-        return sums
-
-    base_s = per_rep(base, lambda m: m["gen_s"])
-    own_s = per_rep(reps, lambda m: m["gen_s"] + m.get("fetch_s", 0.0))
+    base_s = sum_by_rep(base, lambda m: (m["gen_s"], m["generated_tokens"]))
+    own_s = sum_by_rep(reps, lambda m: (m["gen_s"] + m.get("fetch_s", 0.0), m["generated_tokens"]))
     return geometric_mean_interval([
         math.log(base_s[k][0] / base_s[k][1] * tokens / s)
         for k, (s, tokens) in own_s.items() if k in base_s])
+
+
+def sum_by_rep(ms: list[dict], value) -> dict:
+    """By rep (its ``rep``, else its place in ``ms``), the element-wise sum of ``value(m)`` (a
+    tuple) over the rep's generates (several with ``run.py --block``); a generate whose value is
+    None is left out."""
+    sums: dict = {}
+    for i, m in enumerate(ms):
+        v = value(m)
+        if v is None:
+            continue
+        key = m.get("rep", i)
+        sums[key] = tuple(a + b for a, b in zip(sums[key], v)) if key in sums else v
+    return sums
 
 
 def iteration_split(base: list[dict], reps: list[dict]) -> dict | None:
@@ -73,17 +80,11 @@ def iteration_split(base: list[dict], reps: list[dict]) -> dict | None:
     interval; below 1: slower), and ``outside_ms``, the rest of the generate (``gen_s`` less the
     iterations) in ms more than the baseline's (mean, 95% interval). None where fewer than one
     rep of each has the split."""
-    def per_rep(ms: list[dict]) -> dict:
-        sums: dict = {}
-        for i, m in enumerate(ms):
-            if m.get("engine_iterations_s") is None:
-                continue
-            inside, outside = sums.get(m.get("rep", i), (0.0, 0.0))
-            sums[m.get("rep", i)] = (inside + m["engine_iterations_s"],
-                                     outside + m["gen_s"] - m["engine_iterations_s"])
-        return sums
+    def split(m: dict) -> tuple[float, float] | None:
+        inside = m.get("engine_iterations_s")
+        return None if inside is None else (inside, m["gen_s"] - inside)
 
-    base_s, own_s = per_rep(base), per_rep(reps)
+    base_s, own_s = sum_by_rep(base, split), sum_by_rep(reps, split)
     common = [k for k in own_s if k in base_s]
     if not common:
         return None
@@ -372,13 +373,17 @@ def _f(value, fmt="{:.3f}", scale=1.0):
     return "-" if value is None else fmt.format(value / scale)
 
 
+def ratio_text(ratio: dict | None) -> str:
+    """A ratio with its 95% interval (``geometric_mean_interval``), for a table cell."""
+    if not ratio:
+        return "-"
+    ci = ratio["ci95"]
+    return f"{ratio['value']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+
+
 def paired_text(agg: dict) -> str:
     """The paired e2e ratio and its 95% interval, for a table cell."""
-    paired = agg.get("ratio_paired_e2e")
-    if not paired:
-        return "-"
-    ci = paired["ci95"]
-    return f"{paired['value']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+    return ratio_text(agg.get("ratio_paired_e2e"))
 
 
 def _cpus(cpus: list[int] | None) -> str:
@@ -456,10 +461,10 @@ def _threads_table(rows: dict[str, dict]) -> list[str]:
 
 def split_texts(split: dict) -> list[str]:
     """An ``iteration_split`` as text: the iterations' ratio, the ms more outside them."""
-    ratio, extra = split["iterations"], split["outside_ms"]
-    ci, ci_ms = ratio["ci95"], extra["ci95"]
-    return [_f(ratio["value"]) + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else ""),
-            f"{extra['ms']:+.1f}" + (f" ({ci_ms[0]:+.1f} to {ci_ms[1]:+.1f})" if ci_ms else "")]
+    extra = split["outside_ms"]
+    ci = extra["ci95"]
+    return [ratio_text(split["iterations"]),
+            f"{extra['ms']:+.1f}" + (f" ({ci[0]:+.1f} to {ci[1]:+.1f})" if ci else "")]
 
 
 def _split_table(rows: dict[str, dict]) -> list[str]:

@@ -516,13 +516,10 @@ def main() -> int:
 def wall_lines(result: dict) -> list[str]:
     """One kind's whole generates as the engine's iterations and as the client timed them
     (idle's speed over theirs), and the time outside the iterations against idle's."""
-    def ratio(r):
-        ci = r["ci95"]
-        return f"{r['value']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
-
     if result.get("wall_vs_idle") is None:
         return []
-    lines = [f"iterations {ratio(result['generate_vs_idle'])}, client {ratio(result['wall_vs_idle'])}"
+    lines = [f"iterations {R.ratio_text(result['generate_vs_idle'])}, "
+             f"client {R.ratio_text(result['wall_vs_idle'])}"
              f" of idle's speed ({result['wall_vs_idle']['pairs']} pairs)"]
     outside = result.get("outside_vs_idle")
     if outside:
