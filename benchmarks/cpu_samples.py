@@ -13,7 +13,10 @@ proportion (the same work run slower) is then read per function, generate agains
 A sample costs the handler about 13 us on a 30-frame stack (the CPU VM), in every generate alike.
 Linux checks CPU-time timers on the scheduler's tick, so samples come at most once a tick
 whatever the interval asked: 252 a second of CPU at 1 ms on the CPU VM (a 250 Hz tick), 264 on
-the H200 (session 31), so 0.3% of handler. Expirations during one long C call collapse into one
+the H200 (session 31), so 0.3% of handler. So each label's record keeps the process's CPU time
+under it (``cpu_s``, since session 31), and ``compare`` counts a sample as that over its samples
+(``ms_per_sample``); records without it count ``interval_s`` a sample, which at 1 ms reads
+about a quarter of the CPU time. Expirations during one long C call collapse into one
 sample (the handler runs between bytecodes): 61 a second in 10 ms numpy calls. The handler is installed with ``SA_RESTART``, so system calls it interrupts
 restart. Each label's counts are written out as one JSON line when the label changes
 (``set_label``): a forked process whose end is not seen (vLLM's engine core) leaves them behind.
@@ -25,6 +28,7 @@ import gzip
 import json
 import signal
 import statistics
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -54,6 +58,7 @@ class Sampler:
         self._self: Counter = Counter()
         self._inclusive: Counter = Counter()
         self._samples = 0
+        self._label_cpu_s = 0.0  # the process's CPU time when the current label was set
         self.running = False
 
     def start(self) -> None:
@@ -76,12 +81,16 @@ class Sampler:
         # The handler can run between any two lines here: with no label it counts nothing, and
         # then it counts into fresh counters, never into the ones being written.
         previous, self.label = self.label, None
+        now = time.process_time()
         samples, own, inclusive = self._samples, self._self, self._inclusive
+        cpu_s, self._label_cpu_s = now - self._label_cpu_s, now
         self._self, self._inclusive, self._samples = Counter(), Counter(), 0
         self.label = label
         if previous is not None and samples:
+            # The process's CPU time under the label (what ITIMER_PROF counts): a sample's worth,
+            # which the scheduler's tick sets rather than interval_s.
             record = {"label": previous, "samples": samples, "interval_s": self.interval_s,
-                      "self": _by_key(own), "inclusive": _by_key(inclusive)}
+                      "cpu_s": cpu_s, "self": _by_key(own), "inclusive": _by_key(inclusive)}
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
@@ -117,11 +126,23 @@ def read_samples(path: str | Path) -> dict:
     for line in text.splitlines():
         record = json.loads(line)
         mine = out.setdefault(record["label"], {"samples": 0, "interval_s": record["interval_s"],
-                                                "self": Counter(), "inclusive": Counter()})
+                                                "cpu_s": 0.0, "self": Counter(),
+                                                "inclusive": Counter()})
         mine["samples"] += record["samples"]
+        # Files before session 31 lack it: their samples count interval_s each.
+        mine["cpu_s"] = (None if mine["cpu_s"] is None or "cpu_s" not in record
+                         else mine["cpu_s"] + record["cpu_s"])
         mine["self"].update(record["self"])
         mine["inclusive"].update(record["inclusive"])
     return out
+
+
+def ms_per_sample(record: dict) -> float:
+    """What one of a label's samples stands for: its process CPU time over its samples, or the
+    interval asked where the record lacks the CPU time."""
+    if record.get("cpu_s") and record["samples"]:
+        return 1e3 * record["cpu_s"] / record["samples"]
+    return 1e3 * record["interval_s"]
 
 
 def compare(samples: dict, pairs: list[tuple], top: int = 12) -> dict | None:
@@ -137,11 +158,13 @@ def compare(samples: dict, pairs: list[tuple], top: int = 12) -> dict | None:
     pairs = [(label, near) for label, near in pairs if near]
     if not pairs:
         return None
-    interval_ms = 1e3 * samples[pairs[0][0]]["interval_s"]
+
+    def ms(label, value) -> float:
+        return value(samples[label]) * ms_per_sample(samples[label])
 
     def differences(value) -> list[float]:
-        return [interval_ms * (value(samples[label]) - statistics.fmean(
-            value(samples[n]) for n in near)) for label, near in pairs]
+        return [ms(label, value) - statistics.fmean(ms(n, value) for n in near)
+                for label, near in pairs]
 
     def interval(values: list[float]) -> dict:
         mean, half = R.mean_interval(values)
@@ -152,7 +175,7 @@ def compare(samples: dict, pairs: list[tuple], top: int = 12) -> dict | None:
     everything = interval(differences(lambda s: s["samples"]))
     total = sum(samples[n]["samples"] for n in beside)
     out = {"pairs": len(pairs), "all": everything,
-           "beside_ms": round(interval_ms * total / len(beside), 1)}
+           "beside_ms": round(statistics.fmean(ms(n, lambda s: s["samples"]) for n in beside), 1)}
     for kind in ("self", "inclusive"):
         keys = set().union(*(samples[label][kind] for label, _ in pairs),
                            *(samples[n][kind] for n in beside))

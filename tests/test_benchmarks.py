@@ -1822,6 +1822,8 @@ def test_cpu_sampler_counts_the_main_threads_functions_under_their_label(tmp_pat
     assert second["inclusive"][longer] >= 0.8 * second["samples"]
     assert second["inclusive"][spin] >= 0.8 * second["samples"]
     assert C.code_key(_step.__code__) not in first["inclusive"]
+    # Each label keeps the process's CPU time under it: about 0.3 s and 0.15 s here.
+    assert 0.25 <= first["cpu_s"] <= 0.6 and 0.12 <= second["cpu_s"] <= 0.4
     # Stopped: the timer is off and the handler gone, so nothing more is counted or written.
     lines = path.read_text().count("\n")
     _spin(0.05)
@@ -1881,6 +1883,14 @@ def test_cpu_samples_compare_each_run_with_those_beside_it():
     assert lines[0].startswith("all +30.0 ms (") and lines[0].endswith("of 220 ms beside (2 pairs)")
     assert lines[1].startswith("g: +30.0 ms (") and "9.1% of the samples beside" in lines[1]
     assert lines[1].endswith("(in proportion +2.7 ms)") and C.table(None) == []
+    # With each label's CPU time, a sample counts that over its samples (4 ms here: the tick),
+    # not the interval asked.
+    timed = {k: {**r, "cpu_s": 0.004 * r["samples"]} for k, r in samples.items()}
+    out = C.compare(timed, [(1, [0, 2]), (3, [2, 4])], top=1)
+    assert out["all"]["ms"] == 60.0 and out["beside_ms"] == 440.0
+    assert out["self"][0]["ms"] == 60.0
+    assert C.ms_per_sample({"samples": 10, "interval_s": 0.001, "cpu_s": 0.05}) == 5.0
+    assert C.ms_per_sample({"samples": 10, "interval_s": 0.001, "cpu_s": None}) == 1.0
 
 
 # ---- host_cpu: what the host's CPUs are --------------------------------------------------------
