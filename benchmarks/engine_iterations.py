@@ -16,37 +16,72 @@ the client's ``generate`` returned (the last step's output left before its itera
 still counts for it: before reading a generate's sums the client waits, a second at most, for
 an iteration of it still running (``settle``). An engine core that vLLM spawns instead
 inherits nothing: its generates read None.
+
+Each generate's first iteration (its "head": the prefill's schedule and launch) is also kept
+apart, with the engine thread's CPU time in it and torch's caching-allocator counters around it
+(``ALLOCATOR_COUNTERS``). In session 32's ``step_alternation.py`` run, an idle generate's first
+iteration took 22 ms where a capture generate's took 13 (24.8 against 14.1 in session 31's),
+and the extra sat inside the prefill's torch ops: a cudaMalloc retry (the allocator freeing its
+cached blocks, which waits for the device) would look like that after a capture's drains took
+memory from the cache; so would a collection of Python's garbage collector, triggered by the
+objects a capture's harvest and fetch made. So the engine's collections are timed too (a
+``gc.callbacks`` entry, inherited with the patch), by the generate current while its engine ran
+it, with those inside the head apart.
 """
 
 from __future__ import annotations
 
+import gc
+import math
 import mmap
+import os
 import time
 
 import numpy as np
 
-#: The generates one clock can hold (16 bytes each).
+#: Cumulative counters of torch's caching allocator (``torch.cuda.memory_stats``): device
+#: allocations and frees (cudaMalloc, cudaFree), allocations that failed and retried after the
+#: cache was freed, and the waits for every stream's events that freeing the cache takes.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                      "num_sync_all_streams")
+#: A generate's values: seconds and count of its iterations; its first iteration's seconds and
+#: engine-thread CPU seconds; the allocator counters before and after that iteration; the
+#: engine's garbage collections while it was current (seconds, count, full ones: the oldest
+#: generation's) and their seconds inside the first iteration.
+ROW = 4 + 2 * len(ALLOCATOR_COUNTERS) + 4
+#: The generates one clock can hold (8 * ROW bytes each).
 CAPACITY = 1 << 16
 _clock: "IterationClock | None" = None
+# The process that installed the patch (the client, whose collections are not the engine's)
+# and, in an engine core, the generate of its latest iteration and whether that is a head.
+_installer_pid: int | None = None
+_engine_generate = -1
+_in_head = False
+_collection_began = 0.0
 
 
 class IterationClock:
     """Per generate index: seconds of engine iterations begun while it was current, and their
-    count; and the generate of the iteration running now. Index -1: none (iterations begun
-    while no generate is current are not counted)."""
+    count; its first iteration apart (``head``); and the generate of the iteration running now.
+    Index -1: none (iterations begun while no generate is current are not counted)."""
 
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
-        self._map = mmap.mmap(-1, 8 * (2 * capacity + 2))
+        self._map = mmap.mmap(-1, 8 * (ROW * capacity + 2))
         values = np.frombuffer(self._map, dtype=np.float64)
         self._current, self._running = values[:1], values[1:2]
-        self.sums = values[2:].reshape(capacity, 2)
+        self.rows = values[2:].reshape(capacity, ROW)
+        self.sums = self.rows[:, :2]
+        self._head = self.rows[:, 2:4]
+        n = len(ALLOCATOR_COUNTERS)
+        self._before, self._after = self.rows[:, 4:4 + n], self.rows[:, 4 + n:4 + 2 * n]
+        self._gc, self._head_gc = self.rows[:, 4 + 2 * n:7 + 2 * n], self.rows[:, 7 + 2 * n]
         self._current[0] = self._running[0] = -1
 
     def start(self, generate: int) -> None:
         if not 0 <= generate < self.capacity:
             raise ValueError(f"generate: {generate} is outside the clock's 0..{self.capacity - 1}")
-        self.sums[generate] = 0.0
+        self.rows[generate] = 0.0
         self._current[0] = generate
 
     def stop(self) -> None:
@@ -61,6 +96,35 @@ class IterationClock:
         generate = self.current
         self._running[0] = generate
         return generate
+
+    def is_head(self, generate: int) -> bool:
+        """Whether an iteration of ``generate`` beginning now is its first."""
+        return 0 <= generate < self.capacity and self.sums[generate, 1] == 0
+
+    def open_head(self, generate: int, counters: list[float]) -> None:
+        """The engine, as ``generate``'s first iteration begins: the allocator counters."""
+        self._before[generate] = counters
+
+    def close_head(self, generate: int, seconds: float, cpu_seconds: float,
+                   counters: list[float]) -> None:
+        """The engine, as ``generate``'s first iteration ends (before ``add``)."""
+        self._head[generate] = (seconds, cpu_seconds)
+        self._after[generate] = counters
+
+    def add_collection(self, generate: int, seconds: float, generation: int,
+                       in_head: bool) -> None:
+        """The engine, as a garbage collection of ``generation`` ends while ``generate`` is
+        current and its engine's."""
+        if 0 <= generate < self.capacity:
+            self._gc[generate] += (seconds, 1.0, float(generation == 2))
+            if in_head:
+                self._head_gc[generate] += seconds
+
+    def collections(self, generate: int) -> dict:
+        """The engine's garbage collections during ``generate``: ``seconds``, ``count``,
+        ``full`` (of the oldest generation)."""
+        seconds, count, full = self._gc[generate].tolist()
+        return {"seconds": seconds, "count": int(count), "full": int(full)}
 
     def add(self, generate: int, seconds: float) -> None:
         """The engine, as an iteration of ``generate`` ends."""
@@ -79,25 +143,79 @@ class IterationClock:
         seconds, count = self.sums[generate]
         return (float(seconds), int(count)) if count else None
 
+    def head(self, generate: int) -> dict | None:
+        """``generate``'s first iteration: its ``seconds``, the engine thread's ``cpu_seconds``
+        and the engine's garbage collections' ``gc_seconds`` in it, the ``allocator`` counters'
+        increase over it and their values as it began (``allocator_at``; None each where the
+        engine has no CUDA). None where no iteration was counted."""
+        if not self.sums[generate, 1]:
+            return None
+        seconds, cpu_seconds = self._head[generate]
+
+        def counters(values) -> dict:
+            return {name: None if math.isnan(v) else int(v)
+                    for name, v in zip(ALLOCATOR_COUNTERS, values.tolist())}
+
+        return {"seconds": float(seconds), "cpu_seconds": float(cpu_seconds),
+                "gc_seconds": float(self._head_gc[generate]),
+                "allocator": counters(self._after[generate] - self._before[generate]),
+                "allocator_at": counters(self._before[generate])}
+
+
+def allocator_counters() -> list[float]:
+    """``ALLOCATOR_COUNTERS`` of this process's current CUDA device (NaN without CUDA)."""
+    import torch
+
+    stats = torch.cuda.memory_stats_as_nested_dict()  # {} where CUDA is not initialised
+    return [float(stats.get(name, math.nan)) for name in ALLOCATOR_COUNTERS]
+
+
+def time_collection(phase: str, info: dict) -> None:
+    """A ``gc.callbacks`` entry: in an engine core, each collection's seconds go to the
+    generate current while this engine runs it (the other engines' idle collections, and the
+    client's own, go nowhere)."""
+    global _collection_began
+    if os.getpid() == _installer_pid:
+        return
+    if phase == "start":
+        _collection_began = time.perf_counter()
+        return
+    clock, generate = _clock, _engine_generate
+    if clock is not None and generate >= 0 and clock.current == generate:
+        clock.add_collection(generate, time.perf_counter() - _collection_began,
+                             info["generation"], _in_head)
+
 
 def install(clock: IterationClock) -> None:
     """Every engine core forked from this process from now on adds to ``clock`` (one clock
     serves all of a process's engines: one generates at a time, and each iteration counts for
     the generate current when it began)."""
-    global _clock
+    global _clock, _installer_pid
     from vllm.v1.engine.core import EngineCoreProc
 
     if _clock is None:
         engine_step = EngineCoreProc._process_engine_step
 
         def timed_engine_step(core):
+            global _engine_generate, _in_head
             clock = _clock  # as it was when this engine core forked
             generate = clock.begin()
+            head = clock.is_head(generate)
+            _engine_generate, _in_head = generate, head
+            if head:  # the counters' reads stay outside the iteration's time
+                clock.open_head(generate, allocator_counters())
+                cpu0 = time.thread_time()
             t0 = time.perf_counter()
             try:
                 return engine_step(core)
             finally:
-                clock.add(generate, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                _in_head = False
+                if head:
+                    clock.close_head(generate, seconds, time.thread_time() - cpu0,
+                                     allocator_counters())
+                clock.add(generate, seconds)
 
         EngineCoreProc._process_engine_step = timed_engine_step
-    _clock = clock
+        gc.callbacks.append(time_collection)
+    _clock, _installer_pid = clock, os.getpid()

@@ -242,7 +242,7 @@ PY
     # started first, 1.114 started last): BENCH_ARGS=--baseline-first starts vanilla first, so
     # that the pool's "both orders" weighs runs of either order.
     python3 benchmarks/run.py --suite quick --scenarios vanilla,idle,hidden-last --reps 80 \
-      --budget-s 500 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 16
+      --budget-s 500 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 19
     ;;
   bench-1b-alone)
     # bench-1b-paired without the vanilla engine: the capture engine alone in the benchmark's
@@ -252,7 +252,7 @@ PY
     # step_alternation.py's whole generates read 1.022. (REPS: 80 by default, about 5 minutes
     # with the engine's start.)
     python3 benchmarks/run.py --suite quick --engines capture-graph --scenarios idle,hidden-last \
-      --reps ${2:-80} --budget-s ${BUDGET_S:-260} --grace-s 30 --out "$OUT" 2>&1 | tail -n 14
+      --reps ${2:-80} --budget-s ${BUDGET_S:-260} --grace-s 30 --out "$OUT" 2>&1 | tail -n 16
     ;;
   bench-1b-control)
     # The 1B's graph targets with a second vanilla engine (vanilla-b, started first): how far
@@ -268,19 +268,19 @@ PY
     # timed engine loads its compiled model from the cache: by default the capture engine and the
     # control compile in their own processes and vanilla loads, about 15 s more in all.)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
-      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 22
+      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 27
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph
     # engines run one after the other, so one workload with 5 reps fits one 10-minute call.
     python3 benchmarks/run.py --suite full --model moe --engines vanilla-graph,capture-graph \
-      --workloads decode-c64 --reps 5 --budget-s 480 --grace-s 60 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 40
+      --workloads decode-c64 --reps 5 --budget-s 480 --grace-s 60 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 46
     ;;
   bench-moe-eager)
     # The MoE captures with enforce_eager=True (eager-router-all is only here), against vanilla
     # with graphs in the same run: what an eager-only tool pays for router logits.
     python3 benchmarks/run.py --suite full --model moe --engines vanilla-graph,capture-eager \
-      --workloads decode-c64 --reps 2 --budget-s 480 --grace-s 60 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 30
+      --workloads decode-c64 --reps 2 --budget-s 480 --grace-s 60 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 34
     ;;
   bench-8b-decode)
     # The 8B's decode-c64 targets in one run (idle; last token; 4 layers of hidden states and of
@@ -292,7 +292,7 @@ PY
     # (session 21: 260 s; the control read 0.998, idle 0.990 paired, 0 idle nodes run).
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
       --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l,heads-4l,heavy --reps 6 --budget-s 420 \
-      --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 32
+      --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 36
     ;;
   bench-8b-idle)
     # The 8B's idle engine against vanilla and the control: idle read 0.990-1.014 (session 10)
@@ -302,7 +302,7 @@ PY
     # one 10-minute call: `PACKAGE_AT=e7f71b2 bash ... bench-8b-idle; bash ... bench-8b-idle`.)
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
       --scenarios vanilla,vanilla-b,idle --reps ${2:-12} --budget-s 300 --grace-s 20 ${BENCH_ARGS:-} \
-      --out "$OUT" 2>&1 | tail -n 11
+      --out "$OUT" 2>&1 | tail -n 14
     # Its generates in order, with the GPU's NVML readings: the first idle against the later ones.
     RUN_DIR=$(ls -d "$OUT"/results/*-full-8b 2>/dev/null | tail -1)
     [ -n "$RUN_DIR" ] && python3 benchmarks/sequence.py "$RUN_DIR" \
@@ -320,7 +320,9 @@ for k,v in r.items():
     print('$f'.split('/')[-1][:-12], k, json.dumps(v)[:600])"; done
 for f in "$OUT"/*.log; do grep -q "Traceback" "$f" && { echo "-- $f"; grep -B2 -A0 -E "^[A-Za-z.]*(Error|Exception)" "$f" | tail -6; }; done
 # The device tool brings back at most 8 files from one command: each benchmark run's folder (four
-# files) travels as one archive, added to any left by an earlier set of the same command.
+# files) travels as one archive, added to any left by an earlier set of the same command. A
+# command that calls this must not pack results-N.tgz itself: in session 32 a `tar` after it
+# wrote results-0.tgz over this one, and three runs' folders were lost.
 if [ -d "$OUT/results" ]; then
   n=$(ls "$OUT"/results-*.tgz 2>/dev/null | wc -l)
   tar czf "$OUT/results-$n.tgz" -C "$OUT" results && rm -rf "$OUT/results" && echo "packed: results-$n.tgz"

@@ -127,6 +127,86 @@ def median_tok_s_by(reps: list[dict], key) -> dict:
     return {k: _median(v) for k, v in groups.items()}
 
 
+#: ``engine_iterations.ALLOCATOR_COUNTERS`` as the head table and lines name them.
+ALLOCATOR_NAMES = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree",
+                   "num_alloc_retries": "retries", "num_sync_all_streams": "stream syncs"}
+
+
+def _mean_counts(records: list[dict]) -> dict:
+    """Each allocator counter's mean over ``records`` (None where no record has it)."""
+    out = {}
+    for name in ALLOCATOR_NAMES:
+        values = [r[name] for r in records if r.get(name) is not None]
+        out[name] = statistics.fmean(values) if values else None
+    return out
+
+
+def head_summary(reps: list[dict]) -> dict | None:
+    """Each generate's first engine iteration (``run.py``'s ``engine_head``): median ms and
+    engine-thread CPU ms, the mean ms of garbage collection in it and the allocator counters'
+    mean increase in it; the engine's collections over the whole generate (``engine_gc``:
+    mean ms, mean full collections); the same by the scenario
+    that ran just before (``by_after``); and the engine's allocator calls from its previous
+    generate's head to this one's, by that generate's scenario (``since_by_previous``: what a
+    generate's rest, drains and fetch asked of the allocator). None where no rep has a head."""
+    heads = [r for r in reps if r.get("engine_head")]
+    if not heads:
+        return None
+
+    def summary(group: list[dict]) -> dict:
+        return {"generates": len(group),
+                "ms": _median([r["engine_head"]["seconds"] * 1e3 for r in group]),
+                "cpu_ms": _median([r["engine_head"]["cpu_seconds"] * 1e3 for r in group]),
+                "gc_ms": statistics.fmean(r["engine_head"]["gc_seconds"] * 1e3 for r in group),
+                "allocator": _mean_counts([r["engine_head"]["allocator"] for r in group])}
+
+    collected = [r["engine_gc"] for r in heads if r.get("engine_gc")]
+
+    by_after: dict = {}
+    for r in heads:
+        if r.get("after") is not None:
+            by_after.setdefault(r["after"], []).append(r)
+    since: dict = {}
+    for r in heads:
+        if r.get("engine_allocator_since"):
+            since.setdefault(r["engine_allocator_since"]["scenario"], []).append(
+                r["engine_allocator_since"])
+    return {**summary(heads), "by_after": {k: summary(v) for k, v in by_after.items()},
+            # The engine's garbage collections over the whole generate (means).
+            "generate_gc_ms": statistics.fmean(c["seconds"] * 1e3 for c in collected)
+            if collected else None,
+            "generate_gc_full": statistics.fmean(c["full"] for c in collected)
+            if collected else None,
+            "since_by_previous": {k: {"generates": len(v), **_mean_counts(v)}
+                                  for k, v in since.items()}}
+
+
+def head_text(head: dict) -> str:
+    """A ``head_summary`` as text: ms, CPU and GC ms and allocator calls, the generate's GC, then
+    ms, GC ms and retries by the scenario before."""
+    counts = ", ".join(f"{label} {_f(head['allocator'][name], '{:.1f}')}"
+                       for name, label in ALLOCATOR_NAMES.items())
+    text = (f"{_f(head['ms'], '{:.1f}')} ms (CPU {_f(head['cpu_ms'], '{:.1f}')}, GC "
+            f"{_f(head['gc_ms'], '{:.1f}')}), {counts} a generate ({head['generates']})")
+    if head.get("generate_gc_ms") is not None:
+        text += (f"; GC in the generate {head['generate_gc_ms']:.1f} ms, "
+                 f"{head['generate_gc_full']:.2f} full")
+    for after, group in head["by_after"].items():
+        text += (f"; after {after} {_f(group['ms'], '{:.1f}')} ms, GC "
+                 f"{_f(group['gc_ms'], '{:.1f}')}, retries "
+                 f"{_f(group['allocator']['num_alloc_retries'], '{:.1f}')}")
+    return text
+
+
+def _pooled_means(groups: list[dict]) -> dict:
+    """Means of ``_mean_counts`` groups (each with its ``generates``) pooled into one."""
+    out = {"generates": sum(g["generates"] for g in groups)}
+    for name in ALLOCATOR_NAMES:
+        known = [(g[name], g["generates"]) for g in groups if g[name] is not None]
+        out[name] = sum(v * n for v, n in known) / sum(n for _, n in known) if known else None
+    return out
+
+
 def threads_ms_per_step(reps: list[dict]) -> dict[str, list[float]]:
     """Median over reps of each thread's milliseconds per step on a CPU and waiting for one
     during the generate (``run.py``'s ``engine_threads_ms`` and ``client_threads_ms``, keyed
@@ -203,6 +283,7 @@ def aggregate(reps: list[dict]) -> dict:
         "outside_iterations_ms": _median(per_rep(
             lambda r: None if r.get("engine_iterations_s") is None
             else (r["gen_s"] - r["engine_iterations_s"]) * 1e3)),
+        "head": head_summary(reps),
         # What the GPU ran at during the generates (NVML, sampled on the client's thread); its
         # ``samples``: the reps that read it.
         "gpu": gpu_summary([r["gpu"] for r in reps if r.get("gpu")]),
@@ -489,6 +570,49 @@ def _split_table(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _head_table(rows: dict[str, dict]) -> list[str]:
+    """Markdown lines: each generate's first engine iteration (the prefill's schedule and
+    launch) by scenario and by the scenario before it, with the garbage collection and the
+    caching allocator's calls in it; the engine's collections over whole generates; then its
+    allocator calls from one head to the next, by the first's scenario."""
+    heads = {name: a["head"] for name, a in rows.items() if a.get("head")}
+    if not heads:
+        return []
+    labels = list(ALLOCATOR_NAMES.values())
+    lines = ["", "Each generate's first engine iteration (ms and CPU ms: medians; garbage "
+             "collection in it, ms, and torch's caching allocator's calls in it: means):", "",
+             "| scenario | after | generates | ms | CPU ms | GC ms | " + " | ".join(labels) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(labels)]
+    for name, head in heads.items():
+        for after, group in [("all", head), *head["by_after"].items()]:
+            lines.append(f"| {name} | {after} | {group['generates']} | {_f(group['ms'], '{:.1f}')} "
+                         f"| {_f(group['cpu_ms'], '{:.1f}')} | {_f(group['gc_ms'], '{:.1f}')} | "
+                         + " | ".join(_f(group["allocator"][n], "{:.1f}") for n in ALLOCATOR_NAMES)
+                         + " |")
+    collected = [(name, head) for name, head in heads.items()
+                 if head.get("generate_gc_ms") is not None]
+    if collected:
+        lines += ["", "The engine's garbage collections over the whole generate (means): "
+                  + "; ".join(f"{name} {head['generate_gc_ms']:.1f} ms, "
+                              f"{head['generate_gc_full']:.2f} full" for name, head in collected)
+                  + "."]
+    since: dict = {}  # the engine's previous scenario -> its groups, from every scenario's rows
+    for head in heads.values():
+        for prev, counts in head["since_by_previous"].items():
+            since.setdefault(prev, []).append(counts)
+    if since:
+        lines += ["", "The engine's allocator calls from a generate's first iteration to the next "
+                  "generate's on that engine (the rest of the generate, its drains, fetch and "
+                  "stream switches), by the first generate's scenario (mean):", "",
+                  "| generate | pairs | " + " | ".join(labels) + " |",
+                  "|---|---|" + "---|" * len(labels)]
+        for prev, groups in since.items():
+            pooled = _pooled_means(groups)
+            lines.append(f"| {prev} | {pooled['generates']} | "
+                         + " | ".join(_f(pooled[n], "{:.1f}") for n in ALLOCATOR_NAMES) + " |")
+    return lines
+
+
 def _gpu_table(rows: dict[str, dict]) -> list[str]:
     """Markdown lines: what the GPU ran at during each scenario's generates (NVML)."""
     shown = {name: a["gpu"] for name, a in rows.items() if a.get("gpu")}
@@ -596,6 +720,7 @@ def markdown(report: dict) -> str:
             "slow the next generate, on any engine):")
         lines += _threads_table(rows)
         lines += _split_table(rows)
+        lines += _head_table(rows)
         lines += _gpu_table(rows)
         lines += _replays_table(rows)
     lines.append("")

@@ -342,6 +342,8 @@ class EngineRun:
         self.engine_cpu_groups: list[list[int]] = []  # the CPU groups the engines rotate over
         self.iterations = engine_iterations.IterationClock()
         self.generates_timed = 0
+        # engine name -> (scenario, allocator counters) as its last generate's head ended
+        self.allocator_after_head: dict[str, tuple[str, dict]] = {}
 
     def emit(self, engine: str, **record) -> None:
         self.events.write(json.dumps({"engine": engine, **record}) + "\n")
@@ -531,6 +533,20 @@ class EngineRun:
         iterations = self.iterations.read(generate)
         if iterations is not None:
             rec["engine_iterations_s"], rec["engine_iterations"] = iterations
+        head = self.iterations.head(generate)
+        if head is not None:
+            rec["engine_head"] = head
+            rec["engine_gc"] = self.iterations.collections(generate)
+            # What the engine's allocator did from the end of its last head to the start of
+            # this one: the rest of its last generate, then its drains, fetch and stream switches.
+            at = head["allocator_at"]
+            last = self.allocator_after_head.get(scen.engine)
+            if last is not None and None not in at.values():
+                rec["engine_allocator_since"] = {
+                    "scenario": last[0], **{k: at[k] - last[1][k] for k in at}}
+            self.allocator_after_head[scen.engine] = (
+                scen.name, {k: None if v is None else v + head["allocator"][k]
+                            for k, v in at.items()})
         rec.update(client_peak_rss=_proc_status(os.getpid(), "VmHWM"),
                    engine_peak_rss=peak_rss(descendants(os.getpid())),
                    nvml_used=self.nvml.used())
@@ -1001,6 +1017,9 @@ def print_summary(rep: dict, out_dir: Path) -> None:
                 iterations, outside = R.split_texts(split)
                 print(f"   {name} against {against}: engine iterations {iterations}, "
                       f"outside them {outside} ms a generate")
+        for name, a in rows.items():
+            if a.get("head"):
+                print(f"   {name} head: {R.head_text(a['head'])}")
     for e, info in rep["engines"].items():
         if info.get("error"):
             print(f"engine {e}: {info['error'][:300]}")

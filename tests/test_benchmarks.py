@@ -3,6 +3,7 @@ the engine-free fetch benchmark's row check, the engine-free step-path benchmark
 ablation's step timers by phase (across a fork, as in the engine core)."""
 
 import json
+import math
 import os
 import re
 import sys
@@ -583,6 +584,65 @@ def test_report_splits_each_generate_into_engine_iterations_and_the_rest():
     assert "iterations s" not in R.markdown(_report(_m("vanilla", 1000.0)))
 
 
+def _head(ms, cpu_ms, mallocs=0, frees=0, retries=0, syncs=0, gc_ms=0.0):
+    counts = dict(zip(("num_device_alloc", "num_device_free", "num_alloc_retries",
+                       "num_sync_all_streams"), (mallocs, frees, retries, syncs)))
+    return {"seconds": ms / 1e3, "cpu_seconds": cpu_ms / 1e3, "gc_seconds": gc_ms / 1e3,
+            "allocator": counts, "allocator_at": dict.fromkeys(counts, 0)}
+
+
+def test_report_keeps_each_generates_first_iteration_by_what_ran_before():
+    """Idle's first iteration: 12 ms after idle, 22 ms and one cudaMalloc retry after
+    hidden-last (medians of 12, 22 and 24: 22); the allocator calls from one head to the next on
+    an engine go under the earlier generate's scenario, pooled over the rows that hold them."""
+    def since(prev, mallocs):
+        return {"scenario": prev, "num_device_alloc": mallocs, "num_device_free": 0,
+                "num_alloc_retries": None, "num_sync_all_streams": 0}
+
+    ms = [*_m("vanilla", 1000.0),
+          {**_m("idle", 1000.0, reps=(0,))[0], "after": "idle", "engine_head": _head(12, 11.5),
+           "engine_allocator_since": since("idle", 0),
+           "engine_gc": {"seconds": 0.002, "count": 1, "full": 0}},
+          {**_m("idle", 1000.0, reps=(1,))[0], "after": "hidden-last",
+           "engine_head": _head(22, 21, mallocs=2, frees=1, retries=1, syncs=1, gc_ms=9.0),
+           "engine_allocator_since": since("hidden-last", 4),
+           "engine_gc": {"seconds": 0.012, "count": 3, "full": 1}},
+          {**_m("hidden-last", 960.0, reps=(0,))[0], "after": "idle",
+           "engine_head": _head(24, 23, retries=1), "engine_allocator_since": since("idle", 2)}]
+    t = R.summarize(ms)["decode-c64"]
+    head = t["idle"]["head"]
+    assert (head["generates"], head["ms"], head["cpu_ms"]) == (2, 17.0, 16.25)
+    assert head["allocator"] == {"num_device_alloc": 1.0, "num_device_free": 0.5,
+                                 "num_alloc_retries": 0.5, "num_sync_all_streams": 0.5}
+    assert head["by_after"]["hidden-last"]["ms"] == 22.0
+    assert head["by_after"]["hidden-last"]["gc_ms"] == pytest.approx(9.0)
+    assert head["gc_ms"] == pytest.approx(4.5)
+    assert head["generate_gc_ms"] == pytest.approx(7.0) and head["generate_gc_full"] == 0.5
+    assert t["hidden-last"]["head"]["generate_gc_ms"] is None
+    assert head["by_after"]["idle"]["allocator"]["num_alloc_retries"] == 0.0
+    assert head["since_by_previous"]["hidden-last"] == {
+        "generates": 1, "num_device_alloc": 4.0, "num_device_free": 0.0,
+        "num_alloc_retries": None, "num_sync_all_streams": 0.0}
+    assert t["vanilla"]["head"] is None
+    text = R.head_text(head)
+    assert text.startswith("17.0 ms (CPU 16.2, GC 4.5), cudaMalloc 1.0, cudaFree 0.5, retries "
+                           "0.5, stream syncs 0.5 a generate (2); GC in the generate 7.0 ms, "
+                           "0.50 full")
+    assert ("; after idle 12.0 ms, GC 0.0, retries 0.0; after hidden-last 22.0 ms, GC 9.0, "
+            "retries 1.0") in text
+    md = R.markdown(_report(ms))
+    assert "| scenario | after | generates | ms | CPU ms | GC ms | cudaMalloc | cudaFree " \
+        "| retries | stream syncs |" in md
+    assert "| idle | hidden-last | 1 | 22.0 | 21.0 | 9.0 | 2.0 | 1.0 | 1.0 | 1.0 |" in md
+    assert "| hidden-last | all | 1 | 24.0 | 23.0 | 0.0 | 0.0 | 0.0 | 1.0 | 0.0 |" in md
+    assert "over the whole generate (means): idle 7.0 ms, 0.50 full." in md
+    # "idle" as the earlier generate: one pair from idle's rows, one from hidden-last's.
+    assert "| idle | 2 | 1.0 | 0.0 | - | 0.0 |" in md
+    assert "| hidden-last | 1 | 4.0 | 0.0 | - | 0.0 |" in md
+    # No generate with a head: no table.
+    assert "first engine iteration" not in R.markdown(_report(_m("vanilla", 1000.0)))
+
+
 def test_report_says_when_the_baseline_started_first():
     rep = _report(_m("vanilla", 1000.0))
     assert "--baseline-first" not in R.markdown(rep)
@@ -877,7 +937,64 @@ def test_measure_reads_the_engine_iterations_begun_during_its_generate(tmp_path)
     assert 0.04 <= time.perf_counter() - t0 < 1.0
 
 
-def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(monkeypatch):
+def test_measure_keeps_the_engines_allocator_calls_from_one_head_to_the_next(tmp_path,
+                                                                            monkeypatch):
+    """Each generate's head as the engine wrote it; the allocator calls from the end of an
+    engine's last head to the start of this one's, under that generate's scenario (vanilla's
+    generate in between, on its own engine, does not count); none without CUDA's counters."""
+    from benchmarks import engine_iterations as EI
+
+    run = _engine_run(tmp_path, ["vanilla"], reps=1)
+    clock = run.iterations
+    counters = iter([[10, 4, 0, 0], [12, 4, 1, 1], [99, 99, 9, 9], [99, 99, 9, 9],
+                     [15, 6, 1, 1], [15, 6, 1, 1]])
+    monkeypatch.setattr(EI, "allocator_counters", lambda: next(counters))
+
+    class Engine:
+        def generate(self, *args, **kwargs):
+            for seconds in (0.02, 0.003, 0.003):
+                generate = clock.begin()
+                if clock.is_head(generate):
+                    clock.open_head(generate, EI.allocator_counters())
+                    clock.close_head(generate, seconds, seconds / 2, EI.allocator_counters())
+                clock.add(generate, seconds)
+            return []
+
+    run.llms = {"capture-graph": Engine(), "vanilla-graph": Engine()}
+    run.api = type("Api", (), {"capture_status": lambda self, llm, stream: {}})()
+    first = run.measure(S.SCENARIOS["idle"], S.decode(8), 0)
+    assert first["engine_head"] == {
+        "seconds": 0.02, "cpu_seconds": 0.01, "gc_seconds": 0.0,
+        "allocator": {"num_device_alloc": 2, "num_device_free": 0, "num_alloc_retries": 1,
+                      "num_sync_all_streams": 1},
+        "allocator_at": {"num_device_alloc": 10, "num_device_free": 4, "num_alloc_retries": 0,
+                         "num_sync_all_streams": 0}}
+    assert "engine_allocator_since" not in first
+    assert first["engine_gc"] == {"seconds": 0.0, "count": 0, "full": 0}
+    assert "engine_allocator_since" not in run.measure(S.SCENARIOS["vanilla"], S.decode(8), 0)
+    second = run.measure(S.SCENARIOS["idle"], S.decode(8), 1)
+    assert second["engine_allocator_since"] == {
+        "scenario": "idle", "num_device_alloc": 3, "num_device_free": 2, "num_alloc_retries": 0,
+        "num_sync_all_streams": 0}
+    # Without CUDA the counters read None, and nothing is taken from them.
+    monkeypatch.setattr(EI, "allocator_counters", lambda: [math.nan] * 4)
+    third = run.measure(S.SCENARIOS["idle"], S.decode(8), 2)
+    assert set(third["engine_head"]["allocator"].values()) == {None}
+    assert "engine_allocator_since" not in third
+
+
+@pytest.fixture
+def gc_callbacks():
+    """``gc.callbacks`` as it was, restored in place (the collector holds that list)."""
+    import gc
+
+    saved = list(gc.callbacks)
+    yield
+    gc.callbacks[:] = saved
+
+
+def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(monkeypatch,
+                                                                              gc_callbacks):
     """The forked engine adds, the client reads; ``install`` patches vLLM's engine step once,
     and the patched step adds to the clock of the latest install."""
     from vllm.v1.engine.core import EngineCoreProc
@@ -902,15 +1019,61 @@ def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(m
     steps = []
     monkeypatch.setattr(EngineCoreProc, "_process_engine_step", lambda core: steps.append(core) or 7)
     monkeypatch.setattr(EI, "_clock", None)
+    real_counters, counters = EI.allocator_counters, iter([[1, 0, 0, 0], [3, 1, 0, 0]])
+    monkeypatch.setattr(EI, "allocator_counters", lambda: next(counters))
     EI.install(clock)
     patched = EngineCoreProc._process_engine_step
     assert patched(object()) == 7 and clock.read(3)[1] == 1
+    head = clock.head(3)
+    assert head["seconds"] == clock.read(3)[0] and 0 <= head["cpu_seconds"] < 1
+    assert head["allocator"]["num_device_alloc"] == 2 and head["allocator_at"]["num_device_alloc"] == 1
+    patched(object())  # not the first iteration: no counters read (next() would raise)
+    assert clock.read(3)[1] == 2 and clock.head(3)["seconds"] == head["seconds"]
     other = EI.IterationClock(capacity=2)
     other.start(1)
     EI.install(other)
     assert EngineCoreProc._process_engine_step is patched
+    monkeypatch.setattr(EI, "allocator_counters", real_counters)
     patched(object())
-    assert other.read(1)[1] == 1 and clock.read(3)[1] == 1 and len(steps) == 2
+    assert other.read(1)[1] == 1 and clock.read(3)[1] == 2 and len(steps) == 3
+    # On the CPU torch keeps no CUDA allocator counters: the head reads None for each.
+    assert set(other.head(1)["allocator"].values()) == {None}
+
+
+def test_engine_garbage_collections_count_for_the_generate_of_their_engine(monkeypatch,
+                                                                          gc_callbacks):
+    """A collection in an engine core counts for the generate current while that engine runs
+    it, in its head apart; one in an engine whose last iteration was another generate's, one
+    between generates, and the client's own count for nothing."""
+    import gc
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from benchmarks import engine_iterations as EI
+
+    monkeypatch.setattr(EngineCoreProc, "_process_engine_step", lambda core: gc.collect())
+    monkeypatch.setattr(EI, "_clock", None)
+    monkeypatch.setattr(EI, "allocator_counters", lambda: [0, 0, 0, 0])
+    clock = EI.IterationClock(capacity=4)
+    EI.install(clock)
+    patched = EngineCoreProc._process_engine_step
+    clock.start(1)
+    patched(object())  # the head: one full collection, inside it
+    assert clock.collections(1) == {"seconds": 0.0, "count": 0, "full": 0}  # the client's own
+    monkeypatch.setattr(EI, "_installer_pid", -1)  # this process now stands for an engine core
+    clock.start(1)
+    patched(object())
+    patched(object())
+    gc.collect(0)  # between this engine's iterations, its generate still current
+    collected = clock.collections(1)
+    assert (collected["count"], collected["full"]) == (3, 2) and collected["seconds"] > 0
+    head = clock.head(1)["gc_seconds"]
+    assert 0 < head < collected["seconds"]
+    clock.start(2)  # another engine's generate: this engine's last iteration was generate 1's
+    gc.collect()
+    clock.stop()
+    gc.collect()
+    assert clock.collections(2)["count"] == 0 and clock.collections(1)["count"] == 3
 
 
 def test_release_after_capture_names_a_known_release():
