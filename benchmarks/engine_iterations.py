@@ -18,15 +18,18 @@ an iteration of it still running (``settle``). An engine core that vLLM spawns i
 inherits nothing: its generates read None.
 
 Each generate's first iteration (its "head": the prefill's schedule and launch) is also kept
-apart, with the engine thread's CPU time in it and torch's caching-allocator counters around it
-(``ALLOCATOR_COUNTERS``). In session 32's ``step_alternation.py`` run, an idle generate's first
+apart, with what the engine did in it (``HEAD_USAGE``: CPU time of its thread and of the whole
+process, the thread's page faults and context switches) and torch's caching-allocator counters
+around it (``ALLOCATOR_COUNTERS``). In session 32's ``step_alternation.py`` run, an idle generate's first
 iteration took 22 ms where a capture generate's took 13 (24.8 against 14.1 in session 31's),
 and the extra sat inside the prefill's torch ops: a cudaMalloc retry (the allocator freeing its
 cached blocks, which waits for the device) would look like that after a capture's drains took
 memory from the cache; so would a collection of Python's garbage collector, triggered by the
 objects a capture's harvest and fetch made. So the engine's collections are timed too (a
 ``gc.callbacks`` entry, inherited with the patch), by the generate current while its engine ran
-it, with those inside the head apart.
+it, with those inside the head apart. The process's CPU time beside the thread's tells whether
+other threads (harvest, reaper, spare) ran during the head, its involuntary switches whether
+they took the main thread's CPU, and its page faults whether it touched fresh memory.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import gc
 import math
 import mmap
 import os
+import resource
 import time
 
 import numpy as np
@@ -44,11 +48,18 @@ import numpy as np
 #: cache was freed, and the waits for every stream's events that freeing the cache takes.
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries",
                       "num_sync_all_streams")
-#: A generate's values: seconds and count of its iterations; its first iteration's seconds and
-#: engine-thread CPU seconds; the allocator counters before and after that iteration; the
-#: engine's garbage collections while it was current (seconds, count, full ones: the oldest
-#: generation's) and their seconds inside the first iteration.
-ROW = 4 + 2 * len(ALLOCATOR_COUNTERS) + 4
+#: What the engine did during a generate's first iteration: CPU seconds of its main thread and
+#: of its whole process, and the main thread's page faults (minor, major) and context switches
+#: (voluntary, involuntary).
+HEAD_USAGE = ("cpu_seconds", "process_cpu_seconds", "minor_faults", "major_faults",
+              "voluntary_switches", "involuntary_switches")
+#: A generate's values, in this order: seconds and count of its iterations; its first
+#: iteration's seconds, HEAD_USAGE and the seconds of garbage collection in it; the allocator
+#: counters before and after that iteration; the engine's garbage collections while the
+#: generate was current (seconds, count, full ones: the oldest generation's).
+_FIELDS = {"sums": 2, "head": 2 + len(HEAD_USAGE), "before": len(ALLOCATOR_COUNTERS),
+           "after": len(ALLOCATOR_COUNTERS), "gc": 3}
+ROW = sum(_FIELDS.values())
 #: The generates one clock can hold (8 * ROW bytes each).
 CAPACITY = 1 << 16
 _clock: "IterationClock | None" = None
@@ -71,11 +82,11 @@ class IterationClock:
         values = np.frombuffer(self._map, dtype=np.float64)
         self._current, self._running = values[:1], values[1:2]
         self.rows = values[2:].reshape(capacity, ROW)
-        self.sums = self.rows[:, :2]
-        self._head = self.rows[:, 2:4]
-        n = len(ALLOCATOR_COUNTERS)
-        self._before, self._after = self.rows[:, 4:4 + n], self.rows[:, 4 + n:4 + 2 * n]
-        self._gc, self._head_gc = self.rows[:, 4 + 2 * n:7 + 2 * n], self.rows[:, 7 + 2 * n]
+        start, views = 0, {}
+        for name, width in _FIELDS.items():
+            views[name], start = self.rows[:, start:start + width], start + width
+        self.sums, self._head, self._gc = views["sums"], views["head"], views["gc"]
+        self._before, self._after = views["before"], views["after"]
         self._current[0] = self._running[0] = -1
 
     def start(self, generate: int) -> None:
@@ -105,10 +116,11 @@ class IterationClock:
         """The engine, as ``generate``'s first iteration begins: the allocator counters."""
         self._before[generate] = counters
 
-    def close_head(self, generate: int, seconds: float, cpu_seconds: float,
+    def close_head(self, generate: int, seconds: float, usage: list[float],
                    counters: list[float]) -> None:
-        """The engine, as ``generate``'s first iteration ends (before ``add``)."""
-        self._head[generate] = (seconds, cpu_seconds)
+        """The engine, as ``generate``'s first iteration ends (before ``add``): ``usage``, the
+        HEAD_USAGE it took."""
+        self._head[generate, :-1] = (seconds, *usage)
         self._after[generate] = counters
 
     def add_collection(self, generate: int, seconds: float, generation: int,
@@ -118,7 +130,7 @@ class IterationClock:
         if 0 <= generate < self.capacity:
             self._gc[generate] += (seconds, 1.0, float(generation == 2))
             if in_head:
-                self._head_gc[generate] += seconds
+                self._head[generate, -1] += seconds
 
     def collections(self, generate: int) -> dict:
         """The engine's garbage collections during ``generate``: ``seconds``, ``count``,
@@ -144,22 +156,31 @@ class IterationClock:
         return (float(seconds), int(count)) if count else None
 
     def head(self, generate: int) -> dict | None:
-        """``generate``'s first iteration: its ``seconds``, the engine thread's ``cpu_seconds``
-        and the engine's garbage collections' ``gc_seconds`` in it, the ``allocator`` counters'
-        increase over it and their values as it began (``allocator_at``; None each where the
-        engine has no CUDA). None where no iteration was counted."""
+        """``generate``'s first iteration: its ``seconds``, HEAD_USAGE and the engine's garbage
+        collections' ``gc_seconds`` in it, the ``allocator`` counters' increase over it and
+        their values as it began (``allocator_at``; None each where the engine has no CUDA).
+        None where no iteration was counted."""
         if not self.sums[generate, 1]:
             return None
-        seconds, cpu_seconds = self._head[generate]
+        seconds, *usage, gc_seconds = self._head[generate].tolist()
 
         def counters(values) -> dict:
             return {name: None if math.isnan(v) else int(v)
                     for name, v in zip(ALLOCATOR_COUNTERS, values.tolist())}
 
-        return {"seconds": float(seconds), "cpu_seconds": float(cpu_seconds),
-                "gc_seconds": float(self._head_gc[generate]),
+        return {"seconds": seconds,
+                **{name: v if name.endswith("seconds") else int(v)
+                   for name, v in zip(HEAD_USAGE, usage)},
+                "gc_seconds": gc_seconds,
                 "allocator": counters(self._after[generate] - self._before[generate]),
                 "allocator_at": counters(self._before[generate])}
+
+
+def head_usage() -> list[float]:
+    """HEAD_USAGE as counted so far, for the calling thread and its process."""
+    thread = resource.getrusage(resource.RUSAGE_THREAD)
+    return [time.thread_time(), time.process_time(), thread.ru_minflt, thread.ru_majflt,
+            thread.ru_nvcsw, thread.ru_nivcsw]
 
 
 def allocator_counters() -> list[float]:
@@ -204,7 +225,7 @@ def install(clock: IterationClock) -> None:
             _engine_generate, _in_head = generate, head
             if head:  # the counters' reads stay outside the iteration's time
                 clock.open_head(generate, allocator_counters())
-                cpu0 = time.thread_time()
+                usage = head_usage()
             t0 = time.perf_counter()
             try:
                 return engine_step(core)
@@ -212,7 +233,8 @@ def install(clock: IterationClock) -> None:
                 seconds = time.perf_counter() - t0
                 _in_head = False
                 if head:
-                    clock.close_head(generate, seconds, time.thread_time() - cpu0,
+                    clock.close_head(generate, seconds,
+                                     [b - a for a, b in zip(usage, head_usage())],
                                      allocator_counters())
                 clock.add(generate, seconds)
 

@@ -25,6 +25,11 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
 def _max(values):
     values = [v for v in values if v is not None]
     return max(values) if values else None
@@ -134,17 +139,14 @@ ALLOCATOR_NAMES = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFre
 
 def _mean_counts(records: list[dict]) -> dict:
     """Each allocator counter's mean over ``records`` (None where no record has it)."""
-    out = {}
-    for name in ALLOCATOR_NAMES:
-        values = [r[name] for r in records if r.get(name) is not None]
-        out[name] = statistics.fmean(values) if values else None
-    return out
+    return {name: _mean([r.get(name) for r in records]) for name in ALLOCATOR_NAMES}
 
 
 def head_summary(reps: list[dict]) -> dict | None:
-    """Each generate's first engine iteration (``run.py``'s ``engine_head``): median ms and
-    engine-thread CPU ms, the mean ms of garbage collection in it and the allocator counters'
-    mean increase in it; the engine's collections over the whole generate (``engine_gc``:
+    """Each generate's first engine iteration (``run.py``'s ``engine_head``): median ms,
+    engine-thread CPU ms and engine-process CPU ms, the means of the garbage collection ms, the
+    thread's minor page faults and involuntary switches and the allocator counters' increase in
+    it; the engine's collections over the whole generate (``engine_gc``:
     mean ms, mean full collections); the same by the scenario
     that ran just before (``by_after``); and the engine's allocator calls from its previous
     generate's head to this one's, by that generate's scenario (``since_by_previous``: what a
@@ -154,10 +156,16 @@ def head_summary(reps: list[dict]) -> dict | None:
         return None
 
     def summary(group: list[dict]) -> dict:
+        def values(key, scale=1.0):
+            return [r["engine_head"][key] * scale for r in group if key in r["engine_head"]]
+
         return {"generates": len(group),
-                "ms": _median([r["engine_head"]["seconds"] * 1e3 for r in group]),
-                "cpu_ms": _median([r["engine_head"]["cpu_seconds"] * 1e3 for r in group]),
-                "gc_ms": statistics.fmean(r["engine_head"]["gc_seconds"] * 1e3 for r in group),
+                "ms": _median(values("seconds", 1e3)),
+                "cpu_ms": _median(values("cpu_seconds", 1e3)),
+                "process_cpu_ms": _median(values("process_cpu_seconds", 1e3)),
+                "gc_ms": _mean(values("gc_seconds", 1e3)),
+                "minor_faults": _mean(values("minor_faults")),
+                "involuntary_switches": _mean(values("involuntary_switches")),
                 "allocator": _mean_counts([r["engine_head"]["allocator"] for r in group])}
 
     collected = [r["engine_gc"] for r in heads if r.get("engine_gc")]
@@ -182,18 +190,21 @@ def head_summary(reps: list[dict]) -> dict | None:
 
 
 def head_text(head: dict) -> str:
-    """A ``head_summary`` as text: ms, CPU and GC ms and allocator calls, the generate's GC, then
-    ms, GC ms and retries by the scenario before."""
+    """A ``head_summary`` as text: ms, CPU, process CPU and GC ms, faults, involuntary switches
+    and allocator calls, the generate's GC, then the same in short by the scenario before."""
     counts = ", ".join(f"{label} {_f(head['allocator'][name], '{:.1f}')}"
                        for name, label in ALLOCATOR_NAMES.items())
-    text = (f"{_f(head['ms'], '{:.1f}')} ms (CPU {_f(head['cpu_ms'], '{:.1f}')}, GC "
-            f"{_f(head['gc_ms'], '{:.1f}')}), {counts} a generate ({head['generates']})")
+    text = (f"{_f(head['ms'], '{:.1f}')} ms (CPU {_f(head['cpu_ms'], '{:.1f}')}, process "
+            f"{_f(head['process_cpu_ms'], '{:.1f}')}, GC {_f(head['gc_ms'], '{:.1f}')}; faults "
+            f"{_f(head['minor_faults'], '{:.0f}')}, preempted {_f(head['involuntary_switches'], '{:.1f}')}), "
+            f"{counts} a generate ({head['generates']})")
     if head.get("generate_gc_ms") is not None:
         text += (f"; GC in the generate {head['generate_gc_ms']:.1f} ms, "
                  f"{head['generate_gc_full']:.2f} full")
     for after, group in head["by_after"].items():
-        text += (f"; after {after} {_f(group['ms'], '{:.1f}')} ms, GC "
-                 f"{_f(group['gc_ms'], '{:.1f}')}, retries "
+        text += (f"; after {after} {_f(group['ms'], '{:.1f}')} ms, process CPU "
+                 f"{_f(group['process_cpu_ms'], '{:.1f}')}, GC {_f(group['gc_ms'], '{:.1f}')}, "
+                 f"faults {_f(group['minor_faults'], '{:.0f}')}, retries "
                  f"{_f(group['allocator']['num_alloc_retries'], '{:.1f}')}")
     return text
 
@@ -579,14 +590,21 @@ def _head_table(rows: dict[str, dict]) -> list[str]:
     if not heads:
         return []
     labels = list(ALLOCATOR_NAMES.values())
-    lines = ["", "Each generate's first engine iteration (ms and CPU ms: medians; garbage "
-             "collection in it, ms, and torch's caching allocator's calls in it: means):", "",
-             "| scenario | after | generates | ms | CPU ms | GC ms | " + " | ".join(labels) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(labels)]
+    lines = ["", "Each generate's first engine iteration (ms, the engine thread's and the engine "
+             "process's CPU ms: medians; garbage collection ms, the thread's minor page faults "
+             "and involuntary context switches, and torch's caching allocator's calls in it: "
+             "means):", "",
+             "| scenario | after | generates | ms | CPU ms | process CPU ms | GC ms | faults "
+             "| preempted | " + " | ".join(labels) + " |",
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(labels)]
     for name, head in heads.items():
         for after, group in [("all", head), *head["by_after"].items()]:
             lines.append(f"| {name} | {after} | {group['generates']} | {_f(group['ms'], '{:.1f}')} "
-                         f"| {_f(group['cpu_ms'], '{:.1f}')} | {_f(group['gc_ms'], '{:.1f}')} | "
+                         f"| {_f(group['cpu_ms'], '{:.1f}')} "
+                         f"| {_f(group['process_cpu_ms'], '{:.1f}')} "
+                         f"| {_f(group['gc_ms'], '{:.1f}')} "
+                         f"| {_f(group['minor_faults'], '{:.0f}')} "
+                         f"| {_f(group['involuntary_switches'], '{:.1f}')} | "
                          + " | ".join(_f(group["allocator"][n], "{:.1f}") for n in ALLOCATOR_NAMES)
                          + " |")
     collected = [(name, head) for name, head in heads.items()

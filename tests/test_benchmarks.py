@@ -584,10 +584,13 @@ def test_report_splits_each_generate_into_engine_iterations_and_the_rest():
     assert "iterations s" not in R.markdown(_report(_m("vanilla", 1000.0)))
 
 
-def _head(ms, cpu_ms, mallocs=0, frees=0, retries=0, syncs=0, gc_ms=0.0):
+def _head(ms, cpu_ms, mallocs=0, frees=0, retries=0, syncs=0, gc_ms=0.0, faults=0,
+          preempted=0):
     counts = dict(zip(("num_device_alloc", "num_device_free", "num_alloc_retries",
                        "num_sync_all_streams"), (mallocs, frees, retries, syncs)))
-    return {"seconds": ms / 1e3, "cpu_seconds": cpu_ms / 1e3, "gc_seconds": gc_ms / 1e3,
+    return {"seconds": ms / 1e3, "cpu_seconds": cpu_ms / 1e3,
+            "process_cpu_seconds": 2 * cpu_ms / 1e3, "minor_faults": faults, "major_faults": 0,
+            "voluntary_switches": 1, "involuntary_switches": preempted, "gc_seconds": gc_ms / 1e3,
             "allocator": counts, "allocator_at": dict.fromkeys(counts, 0)}
 
 
@@ -604,7 +607,8 @@ def test_report_keeps_each_generates_first_iteration_by_what_ran_before():
            "engine_allocator_since": since("idle", 0),
            "engine_gc": {"seconds": 0.002, "count": 1, "full": 0}},
           {**_m("idle", 1000.0, reps=(1,))[0], "after": "hidden-last",
-           "engine_head": _head(22, 21, mallocs=2, frees=1, retries=1, syncs=1, gc_ms=9.0),
+           "engine_head": _head(22, 21, mallocs=2, frees=1, retries=1, syncs=1, gc_ms=9.0,
+                                faults=300, preempted=3),
            "engine_allocator_since": since("hidden-last", 4),
            "engine_gc": {"seconds": 0.012, "count": 3, "full": 1}},
           {**_m("hidden-last", 960.0, reps=(0,))[0], "after": "idle",
@@ -612,6 +616,8 @@ def test_report_keeps_each_generates_first_iteration_by_what_ran_before():
     t = R.summarize(ms)["decode-c64"]
     head = t["idle"]["head"]
     assert (head["generates"], head["ms"], head["cpu_ms"]) == (2, 17.0, 16.25)
+    assert head["process_cpu_ms"] == pytest.approx(32.5)
+    assert (head["minor_faults"], head["involuntary_switches"]) == (150.0, 1.5)
     assert head["allocator"] == {"num_device_alloc": 1.0, "num_device_free": 0.5,
                                  "num_alloc_retries": 0.5, "num_sync_all_streams": 0.5}
     assert head["by_after"]["hidden-last"]["ms"] == 22.0
@@ -625,16 +631,18 @@ def test_report_keeps_each_generates_first_iteration_by_what_ran_before():
         "num_alloc_retries": None, "num_sync_all_streams": 0.0}
     assert t["vanilla"]["head"] is None
     text = R.head_text(head)
-    assert text.startswith("17.0 ms (CPU 16.2, GC 4.5), cudaMalloc 1.0, cudaFree 0.5, retries "
-                           "0.5, stream syncs 0.5 a generate (2); GC in the generate 7.0 ms, "
-                           "0.50 full")
-    assert ("; after idle 12.0 ms, GC 0.0, retries 0.0; after hidden-last 22.0 ms, GC 9.0, "
-            "retries 1.0") in text
+    assert text.startswith("17.0 ms (CPU 16.2, process 32.5, GC 4.5; faults 150, preempted 1.5), "
+                           "cudaMalloc 1.0, cudaFree 0.5, retries 0.5, stream syncs 0.5 a "
+                           "generate (2); GC in the generate 7.0 ms, 0.50 full")
+    assert ("; after idle 12.0 ms, process CPU 23.0, GC 0.0, faults 0, retries 0.0; after "
+            "hidden-last 22.0 ms, process CPU 42.0, GC 9.0, faults 300, retries 1.0") in text
     md = R.markdown(_report(ms))
-    assert "| scenario | after | generates | ms | CPU ms | GC ms | cudaMalloc | cudaFree " \
-        "| retries | stream syncs |" in md
-    assert "| idle | hidden-last | 1 | 22.0 | 21.0 | 9.0 | 2.0 | 1.0 | 1.0 | 1.0 |" in md
-    assert "| hidden-last | all | 1 | 24.0 | 23.0 | 0.0 | 0.0 | 0.0 | 1.0 | 0.0 |" in md
+    assert "| scenario | after | generates | ms | CPU ms | process CPU ms | GC ms | faults " \
+        "| preempted | cudaMalloc | cudaFree | retries | stream syncs |" in md
+    assert "| idle | hidden-last | 1 | 22.0 | 21.0 | 42.0 | 9.0 | 300 | 3.0 | 2.0 | 1.0 | 1.0 " \
+        "| 1.0 |" in md
+    assert "| hidden-last | all | 1 | 24.0 | 23.0 | 46.0 | 0.0 | 0 | 0.0 | 0.0 | 0.0 | 1.0 " \
+        "| 0.0 |" in md
     assert "over the whole generate (means): idle 7.0 ms, 0.50 full." in md
     # "idle" as the earlier generate: one pair from idle's rows, one from hidden-last's.
     assert "| idle | 2 | 1.0 | 0.0 | - | 0.0 |" in md
@@ -956,7 +964,8 @@ def test_measure_keeps_the_engines_allocator_calls_from_one_head_to_the_next(tmp
                 generate = clock.begin()
                 if clock.is_head(generate):
                     clock.open_head(generate, EI.allocator_counters())
-                    clock.close_head(generate, seconds, seconds / 2, EI.allocator_counters())
+                    clock.close_head(generate, seconds, [seconds / 2, seconds, 7, 0, 2, 1],
+                                     EI.allocator_counters())
                 clock.add(generate, seconds)
             return []
 
@@ -964,7 +973,8 @@ def test_measure_keeps_the_engines_allocator_calls_from_one_head_to_the_next(tmp
     run.api = type("Api", (), {"capture_status": lambda self, llm, stream: {}})()
     first = run.measure(S.SCENARIOS["idle"], S.decode(8), 0)
     assert first["engine_head"] == {
-        "seconds": 0.02, "cpu_seconds": 0.01, "gc_seconds": 0.0,
+        "seconds": 0.02, "cpu_seconds": 0.01, "process_cpu_seconds": 0.02, "minor_faults": 7,
+        "major_faults": 0, "voluntary_switches": 2, "involuntary_switches": 1, "gc_seconds": 0.0,
         "allocator": {"num_device_alloc": 2, "num_device_free": 0, "num_alloc_retries": 1,
                       "num_sync_all_streams": 1},
         "allocator_at": {"num_device_alloc": 10, "num_device_free": 4, "num_alloc_retries": 0,
@@ -1026,6 +1036,9 @@ def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(m
     assert patched(object()) == 7 and clock.read(3)[1] == 1
     head = clock.head(3)
     assert head["seconds"] == clock.read(3)[0] and 0 <= head["cpu_seconds"] < 1
+    assert head["cpu_seconds"] <= head["process_cpu_seconds"] + 1e-3
+    assert min(head[k] for k in ("minor_faults", "major_faults", "voluntary_switches",
+                                 "involuntary_switches")) >= 0
     assert head["allocator"]["num_device_alloc"] == 2 and head["allocator_at"]["num_device_alloc"] == 1
     patched(object())  # not the first iteration: no counters read (next() would raise)
     assert clock.read(3)[1] == 2 and clock.head(3)["seconds"] == head["seconds"]
@@ -1038,6 +1051,36 @@ def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(m
     assert other.read(1)[1] == 1 and clock.read(3)[1] == 2 and len(steps) == 3
     # On the CPU torch keeps no CUDA allocator counters: the head reads None for each.
     assert set(other.head(1)["allocator"].values()) == {None}
+
+
+def test_head_usage_counts_the_calling_threads_faults_and_the_processs_cpu():
+    """Pages touched on this thread count as its faults; pages touched on another thread do
+    not, though its CPU time counts for the process."""
+    import threading
+
+    from benchmarks import engine_iterations as EI
+
+    def touch(megabytes: int) -> None:
+        block = bytearray(megabytes << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+
+    def delta(fn) -> dict:
+        before = EI.head_usage()
+        fn()
+        return dict(zip(EI.HEAD_USAGE, (b - a for a, b in zip(before, EI.head_usage()))))
+
+    mine = delta(lambda: touch(64))
+    assert mine["minor_faults"] > 0 and mine["cpu_seconds"] > 0
+
+    def elsewhere():
+        worker = threading.Thread(target=touch, args=(64,))
+        worker.start()
+        worker.join()
+
+    other = delta(elsewhere)
+    assert other["minor_faults"] < mine["minor_faults"] / 4
+    assert other["process_cpu_seconds"] > other["cpu_seconds"]
 
 
 def test_engine_garbage_collections_count_for_the_generate_of_their_engine(monkeypatch,
