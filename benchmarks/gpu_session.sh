@@ -250,7 +250,8 @@ PY
     # idle of the same rep (`pool.py RUN`). Whether the benchmark's last-token cost against idle
     # (0.950 pooled) needs a second engine beside it: session 29 read 0.934 without one, where
     # step_alternation.py's whole generates read 1.022. (REPS: 80 by default, about 5 minutes
-    # with the engine's start.)
+    # with the engine's start. BUDGET_S counts the engine's start and warm-ups: on a fresh
+    # machine the start alone took 76 s in session 32, and BUDGET_S=95 measured nothing.)
     python3 benchmarks/run.py --suite quick --engines capture-graph --scenarios idle,hidden-last \
       --reps ${2:-80} --budget-s ${BUDGET_S:-260} --grace-s 30 --out "$OUT" 2>&1 | tail -n 16
     ;;
