@@ -146,9 +146,8 @@ def head_summary(reps: list[dict]) -> dict | None:
     """Each generate's first engine iteration (``run.py``'s ``engine_head``): median ms,
     engine-thread CPU ms and engine-process CPU ms, the means of the garbage collection ms, the
     thread's minor page faults and involuntary switches and the allocator counters' increase in
-    it; the engine's collections over the whole generate (``engine_gc``:
-    mean ms, mean full collections); the same by the scenario
-    that ran just before (``by_after``); and the engine's allocator calls from its previous
+    it; the engine's collections over the whole generate (``engine_gc``: mean ms, mean full
+    collections); the same by the scenario that ran just before (``by_after``); and the engine's allocator calls from its previous
     generate's head to this one's, by that generate's scenario (``since_by_previous``: what a
     generate's rest, drains and fetch asked of the allocator). None where no rep has a head."""
     heads = [r for r in reps if r.get("engine_head")]
@@ -157,7 +156,7 @@ def head_summary(reps: list[dict]) -> dict | None:
 
     def summary(group: list[dict]) -> dict:
         def values(key, scale=1.0):
-            return [r["engine_head"][key] * scale for r in group if key in r["engine_head"]]
+            return [r["engine_head"][key] * scale for r in group]
 
         return {"generates": len(group),
                 "ms": _median(values("seconds", 1e3)),
@@ -181,10 +180,8 @@ def head_summary(reps: list[dict]) -> dict | None:
                 r["engine_allocator_since"])
     return {**summary(heads), "by_after": {k: summary(v) for k, v in by_after.items()},
             # The engine's garbage collections over the whole generate (means).
-            "generate_gc_ms": statistics.fmean(c["seconds"] * 1e3 for c in collected)
-            if collected else None,
-            "generate_gc_full": statistics.fmean(c["full"] for c in collected)
-            if collected else None,
+            "generate_gc_ms": _mean([c["seconds"] * 1e3 for c in collected]),
+            "generate_gc_full": _mean([c["full"] for c in collected]),
             "since_by_previous": {k: {"generates": len(v), **_mean_counts(v)}
                                   for k, v in since.items()}}
 
