@@ -100,6 +100,63 @@ def iteration_split(base: list[dict], reps: list[dict]) -> dict | None:
                            "reps": len(common)}}
 
 
+#: A generate's iterations by their place in it (``run.py``'s ``engine_iteration_ms``): the
+#: first (the prefill's schedule and launch), the next ``EARLY_ITERATIONS`` (the first decode
+#: steps, planned anew), the last ``TAIL_ITERATIONS`` (the requests' end) and the steady ones
+#: between; ``steady_iteration`` is the steady ones' median, one iteration.
+ITERATION_PARTS = ("head", "early", "steady", "tail", "steady_iteration")
+EARLY_ITERATIONS, TAIL_ITERATIONS = 4, 4
+
+
+def iteration_parts(ms: list[float] | None) -> tuple[float, ...] | None:
+    """``ITERATION_PARTS`` of one generate's iteration ms (None for too few iterations)."""
+    if not ms or len(ms) < 2 + EARLY_ITERATIONS + TAIL_ITERATIONS:
+        return None
+    steady = ms[1 + EARLY_ITERATIONS:-TAIL_ITERATIONS]
+    return (ms[0], sum(ms[1:1 + EARLY_ITERATIONS]), sum(steady), sum(ms[-TAIL_ITERATIONS:]),
+            statistics.median(steady))
+
+
+def parts_summary(reps: list[dict]) -> dict | None:
+    """Medians over generates of ``iteration_parts``, and the steady iterations' count."""
+    parts = [p for r in reps if (p := iteration_parts(r.get("engine_iteration_ms")))]
+    if not parts:
+        return None
+    return {"generates": len(parts),
+            **{name: statistics.median(p[i] for p in parts)
+               for i, name in enumerate(ITERATION_PARTS)},
+            "steady_count": _median([len(r["engine_iteration_ms"]) - 1 - EARLY_ITERATIONS
+                                     - TAIL_ITERATIONS for r in reps
+                                     if iteration_parts(r.get("engine_iteration_ms"))])}
+
+
+def parts_against(base: list[dict], reps: list[dict]) -> dict | None:
+    """Rep by rep against the baseline's generates of the same rep: the ms more in each of
+    ``ITERATION_PARTS`` (mean, 95% interval). None where no rep of each has them."""
+    base_p = sum_by_rep(base, lambda m: iteration_parts(m.get("engine_iteration_ms")))
+    own_p = sum_by_rep(reps, lambda m: iteration_parts(m.get("engine_iteration_ms")))
+    common = [k for k in own_p if k in base_p]
+    if not common:
+        return None
+    out = {"reps": len(common)}
+    for i, name in enumerate(ITERATION_PARTS):
+        mean, half = mean_interval([own_p[k][i] - base_p[k][i] for k in common])
+        out[name] = {"ms": mean, "ci95": None if half is None else [mean - half, mean + half]}
+    return out
+
+
+def parts_text(delta: dict) -> str:
+    """A ``parts_against`` as text."""
+    def ms(part, fmt="{:+.1f}"):
+        d = delta[part]
+        ci = d["ci95"]
+        return fmt.format(d["ms"]) + (f" ({fmt.format(ci[0])} to {fmt.format(ci[1])})" if ci else "")
+
+    return (f"head {ms('head')}, iterations 1-{EARLY_ITERATIONS} {ms('early')}, steady "
+            f"{ms('steady')}, last {TAIL_ITERATIONS} {ms('tail')} ms a generate; a steady "
+            f"iteration {ms('steady_iteration', '{:+.3f}')} ms ({delta['reps']} reps)")
+
+
 def mean_interval(values: list[float]) -> tuple[float, float | None]:
     """The mean of ``values`` and the half width of its 95% interval (t; None for one value)."""
     mean = sum(values) / len(values)
@@ -292,6 +349,7 @@ def aggregate(reps: list[dict]) -> dict:
             lambda r: None if r.get("engine_iterations_s") is None
             else (r["gen_s"] - r["engine_iterations_s"]) * 1e3)),
         "head": head_summary(reps),
+        "iteration_parts": parts_summary(reps),
         # What the GPU ran at during the generates (NVML, sampled on the client's thread); its
         # ``samples``: the reps that read it.
         "gpu": gpu_summary([r["gpu"] for r in reps if r.get("gpu")]),
@@ -351,6 +409,9 @@ def summarize(measurements: list[dict]) -> dict[str, dict[str, dict]]:
         agg["split_vs"] = {
             against: split for against, others in ((BASELINE, base_reps), (IDLE, idle_reps))
             if others and against != scenario and (split := iteration_split(others, reps))}
+        agg["parts_vs"] = {
+            against: parts for against, others in ((BASELINE, base_reps), (IDLE, idle_reps))
+            if others and against != scenario and (parts := parts_against(others, reps))}
         table.setdefault(workload, {})[scenario] = agg
     for rows in table.values():
         base = rows.get(BASELINE, {}).get("tok_s")
@@ -578,6 +639,39 @@ def _split_table(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _parts_table(rows: dict[str, dict]) -> list[str]:
+    """Markdown lines: each scenario's iterations by their place in the generate (medians), then
+    the ms more than vanilla and idle in each place, rep by rep (``parts_against``)."""
+    own = {name: a["iteration_parts"] for name, a in rows.items() if a.get("iteration_parts")}
+    if not own:
+        return []
+    early, tail = f"iterations 1-{EARLY_ITERATIONS}", f"last {TAIL_ITERATIONS}"
+    lines = ["", "The engine's iterations by their place in the generate (ms: the first, the next "
+             f"{EARLY_ITERATIONS}, the steady ones between, the last {TAIL_ITERATIONS}, and the "
+             "steady ones' median iteration; medians over generates):", "",
+             f"| scenario | generates | first | {early} | steady (count) | {tail} | steady iteration |",
+             "|---|---|---|---|---|---|---|"]
+    for name, p in own.items():
+        lines.append(f"| {name} | {p['generates']} | {p['head']:.2f} | {p['early']:.2f} | "
+                     f"{p['steady']:.1f} ({_f(p['steady_count'], '{:.0f}')}) | {p['tail']:.2f} | "
+                     f"{p['steady_iteration']:.3f} |")
+    deltas = [(name, against, d) for name, a in rows.items()
+              for against, d in (a.get("parts_vs") or {}).items()]
+    if deltas:
+        lines += ["", "The same, ms more than another scenario rep by rep (mean, 95% interval):", "",
+                  f"| scenario | against | reps | first | {early} | steady | {tail} | steady iteration |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, against, d in deltas:
+            cells = []
+            for part in ITERATION_PARTS:
+                ci = d[part]["ci95"]
+                fmt = "{:+.3f}" if part == "steady_iteration" else "{:+.2f}"
+                cells.append(fmt.format(d[part]["ms"])
+                             + (f" ({fmt.format(ci[0])} to {fmt.format(ci[1])})" if ci else ""))
+            lines.append(f"| {name} | {against} | {d['reps']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _head_table(rows: dict[str, dict]) -> list[str]:
     """Markdown lines: each generate's first engine iteration (the prefill's schedule and
     launch) by scenario and by the scenario before it, with the garbage collection and the
@@ -735,6 +829,7 @@ def markdown(report: dict) -> str:
             "slow the next generate, on any engine):")
         lines += _threads_table(rows)
         lines += _split_table(rows)
+        lines += _parts_table(rows)
         lines += _head_table(rows)
         lines += _gpu_table(rows)
         lines += _replays_table(rows)

@@ -533,6 +533,9 @@ class EngineRun:
         iterations = self.iterations.read(generate)
         if iterations is not None:
             rec["engine_iterations_s"], rec["engine_iterations"] = iterations
+            one_by_one = self.iterations.iterations(generate)
+            if one_by_one is not None and len(one_by_one) == iterations[1]:
+                rec["engine_iteration_ms"] = [round(s * 1e3, 4) for s in one_by_one]
         head = self.iterations.head(generate)
         if head is not None:
             rec["engine_head"] = head
@@ -1017,6 +1020,9 @@ def print_summary(rep: dict, out_dir: Path) -> None:
                 iterations, outside = R.split_texts(split)
                 print(f"   {name} against {against}: engine iterations {iterations}, "
                       f"outside them {outside} ms a generate")
+                parts = (a.get("parts_vs") or {}).get(against)
+                if parts:
+                    print(f"   {name} against {against}, by place: {R.parts_text(parts)}")
         for name, a in rows.items():
             if a.get("head"):
                 print(f"   {name} head: {R.head_text(a['head'])}")

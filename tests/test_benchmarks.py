@@ -584,6 +584,55 @@ def test_report_splits_each_generate_into_engine_iterations_and_the_rest():
     assert "iterations s" not in R.markdown(_report(_m("vanilla", 1000.0)))
 
 
+def _iterations(head, early, steady, tail, steady_count=20):
+    """A generate's iteration ms: one first, four early, ``steady`` ms spread over
+    ``steady_count`` iterations (the middle one 1 ms longer than the rest), four last."""
+    each = (steady - 1.0) / steady_count
+    middle = [each] * steady_count
+    middle[steady_count // 2] += 1.0
+    return [head, *[early / 4] * 4, *middle, *[tail / 4] * 4]
+
+
+def test_report_places_the_iterations_time_in_the_generate():
+    """A generate's iterations summed by place (first, 1-4, steady, last 4) and the steady
+    ones' median, checked against the parts picked out by hand; hidden-last against idle rep
+    by rep: 2 ms more in its first iteration, 8 and 12 more in its steady ones (rep 0, 1), the
+    rest level; a generate of too few iterations, or none, has no parts."""
+    ms = [*_m("vanilla", 1000.0),
+          {**_m("idle", 1000.0, reps=(0,))[0], "engine_iteration_ms": _iterations(14, 8, 600, 9)},
+          {**_m("idle", 1000.0, reps=(1,))[0], "engine_iteration_ms": _iterations(15, 8, 620, 9)},
+          {**_m("hidden-last", 990.0, reps=(0,))[0],
+           "engine_iteration_ms": _iterations(16, 8, 608, 9)},
+          {**_m("hidden-last", 990.0, reps=(1,))[0],
+           "engine_iteration_ms": _iterations(17, 8, 632, 9)},
+          {**_m("hidden-4l", 900.0, reps=(0,))[0], "engine_iteration_ms": [5.0] * 9}]
+    trace = ms[2]["engine_iteration_ms"]
+    assert R.iteration_parts(trace) == pytest.approx(
+        (trace[0], sum(trace[1:5]), sum(trace[5:-4]), sum(trace[-4:]), sorted(trace[5:-4])[10]))
+    assert R.iteration_parts(trace) == pytest.approx((14, 8, 600, 9, 599 / 20))
+    assert R.iteration_parts([5.0] * 9) is None and R.iteration_parts(None) is None
+    t = R.summarize(ms)["decode-c64"]
+    own = t["hidden-last"]["iteration_parts"]
+    assert (own["generates"], own["steady_count"]) == (2, 20)
+    assert (own["head"], own["steady"]) == pytest.approx((16.5, 620.0))
+    delta = t["hidden-last"]["parts_vs"]["idle"]
+    assert delta["reps"] == 2 and "vanilla" not in t["hidden-last"]["parts_vs"]
+    assert delta["head"]["ms"] == pytest.approx(2.0)
+    assert delta["head"]["ci95"] == pytest.approx([2.0, 2.0])
+    assert delta["early"]["ms"] == pytest.approx(0.0) and delta["tail"]["ms"] == pytest.approx(0.0)
+    assert delta["steady"]["ms"] == pytest.approx(10.0)
+    assert delta["steady"]["ci95"][0] < 10.0 < delta["steady"]["ci95"][1]
+    assert delta["steady_iteration"]["ms"] == pytest.approx(0.5)
+    assert t["hidden-4l"]["iteration_parts"] is None and t["hidden-4l"]["parts_vs"] == {}
+    assert R.parts_text(delta).startswith("head +2.0 (+2.0 to +2.0), iterations 1-4 +0.0 ")
+    assert "a steady iteration +0.500 (" in R.parts_text(delta)
+    md = R.markdown(_report(ms))
+    assert "| hidden-last | 2 | 16.50 | 8.00 | 620.0 (20) | 9.00 | 30.950 |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| hidden-last | idle | 2 |"))
+    assert "| +2.00 (+2.00 to +2.00) | +0.00 (" in row
+    assert "steady iteration" not in R.markdown(_report(_m("vanilla", 1000.0)))
+
+
 def _head(ms, cpu_ms, mallocs=0, frees=0, retries=0, syncs=0, gc_ms=0.0, faults=0,
           preempted=0):
     counts = dict(zip(("num_device_alloc", "num_device_free", "num_alloc_retries",
@@ -931,6 +980,7 @@ def test_measure_reads_the_engine_iterations_begun_during_its_generate(tmp_path)
     rec = run.measure(S.SCENARIOS["vanilla"], S.decode(8), 0)
     assert time.perf_counter() - t0 >= 0.04
     assert (rec["engine_iterations_s"], rec["engine_iterations"]) == (0.875, 3)
+    assert rec["engine_iteration_ms"] == [250.0, 500.0, 125.0]  # in the order they ended
     assert clock.current == -1
     clock.add(clock.begin(), 9.0)  # between generates: nobody's
     assert clock.read(0) == (0.875, 3)
@@ -1051,6 +1101,25 @@ def test_iteration_clock_counts_across_a_fork_and_patches_the_engine_step_once(m
     assert other.read(1)[1] == 1 and clock.read(3)[1] == 2 and len(steps) == 3
     # On the CPU torch keeps no CUDA allocator counters: the head reads None for each.
     assert set(other.head(1)["allocator"].values()) == {None}
+
+
+def test_iteration_clock_keeps_each_iteration_up_to_its_trace_limits(monkeypatch):
+    """Each iteration's seconds in the order they ended, from the generate's start; past
+    ``TRACE_ITERATIONS`` only the sums count, and generates past ``trace_generates`` keep none."""
+    from benchmarks import engine_iterations as EI
+
+    monkeypatch.setattr(EI, "TRACE_ITERATIONS", 3)
+    clock = EI.IterationClock(capacity=4, trace_generates=2)
+    for generate in (1, 2):
+        clock.start(generate)
+        for seconds in (0.5, 0.25, 0.125, 2.0):
+            clock.add(clock.begin(), seconds)
+    assert clock.iterations(1) == [0.5, 0.25, 0.125] and clock.read(1) == (2.875, 4)
+    assert clock.iterations(2) is None and clock.read(2) == (2.875, 4)
+    assert clock.iterations(0) is None  # nothing counted
+    clock.start(1)
+    clock.add(clock.begin(), 1.0)
+    assert clock.iterations(1) == [1.0]
 
 
 def test_head_usage_counts_the_calling_threads_faults_and_the_processs_cpu():
