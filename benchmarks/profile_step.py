@@ -17,7 +17,9 @@ operator table (host syncs, pinned allocations, copies, kernel launches) to
 cumulative time; the raw stats in ``OUT/cprofile_<scenario>.pstats``); the summary
 (``OUT/profile_summary_<engine>.json``) compares the scenarios by call counts, host time per
 decode step, capture's functions per step under cProfile, and the GPU's busy time per step
-against the profiled generate's step time.
+against the profiled generate's step time. The profiled generate's first engine iterations are
+read one by one too (``first_iterations``: ``OUT/iterations_<scenario>.json``, and in the
+summary without their longest calls).
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ if str(ROOT) not in sys.path:
 from benchmarks import scenarios as S  # noqa: E402
 from benchmarks.run import Prompts, prepare_model, thread_time_spent, thread_times  # noqa: E402
 
+#: The profiled generate's first engine iterations, each read apart: session 33's benchmark saw
+#: a last-token capture's second iteration (the first decode step's launch, then the wait for
+#: the prefill's output) take 5.6-7.4 ms more than idle's, its thread on the CPU throughout (a
+#: CUDA wait spins). Per iteration: its ms, the GPU time of the work it launched, the CPU
+#: calls that took its time by name and the longest single ones (``first_iterations``).
+FIRST_ITERATIONS, TOP_CALLS = 4, 8
+ITERATION_LABEL = "engine iteration "
 WATCH = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaHostAlloc",
          "cudaMemcpyAsync", "cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "aten::copy_",
          "aten::pin_memory", "aten::item", "aten::_local_scalar_dense")
@@ -68,6 +77,49 @@ def engine_main_thread(threads: dict) -> tuple[float, float]:
     """Of ``capture_and_generate``'s thread times, the busiest process's first thread (the engine
     core's, where the steps run): ms on a CPU and waiting for one."""
     return max((v for k, v in threads.items() if k.endswith("(main)")), key=lambda v: v[0])
+
+
+def label_iterations(core) -> list[int]:
+    """Run each step of the in-process engine core ``core`` inside a profiler range named
+    ``ITERATION_LABEL`` + its index; the returned one-item list holds the next index (set it
+    to 0 before a generate)."""
+    from torch.profiler import record_function
+
+    step, counter = core.step_fn, [0]
+
+    def labelled_step():
+        k, counter[0] = counter[0], counter[0] + 1
+        with record_function(f"{ITERATION_LABEL}{k}"):
+            return step()
+
+    core.step_fn = labelled_step
+    return counter
+
+
+def first_iterations(events, count: int = FIRST_ITERATIONS, top: int = TOP_CALLS) -> list[dict]:
+    """Of a profile's ``events`` (``prof.events()``), iterations ``0..count-1`` as
+    ``label_iterations`` named them: ``ms`` (the range, on the host), ``device_ms`` (kernels and
+    copies launched in it), ``self_ms`` (the self CPU ms of the calls in it, by name, the
+    ``top`` largest) and ``longest`` (its ``top`` longest single calls, self CPU ms)."""
+    ranges = {e.name: e for e in events if e.name.startswith(ITERATION_LABEL)}
+    out = []
+    for k in range(count):
+        r = ranges.get(f"{ITERATION_LABEL}{k}")
+        if r is None:
+            break
+        start, end = r.time_range.start, r.time_range.end
+        inside = [e for e in events if e is not r and e.thread == r.thread
+                  and start <= e.time_range.start and e.time_range.end <= end]
+        by_name: dict[str, float] = {}
+        for e in inside:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.self_cpu_time_total
+        longest = sorted(inside, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        out.append({"iteration": k, "ms": round((end - start) / 1e3, 3),
+                    "device_ms": round(r.device_time_total / 1e3, 3),
+                    "self_ms": {name: round(us / 1e3, 3) for name, us in sorted(
+                        by_name.items(), key=lambda kv: kv[1], reverse=True)[:top]},
+                    "longest": [[e.name, round(e.self_cpu_time_total / 1e3, 3)] for e in longest]})
+    return out
 
 
 def capture_and_generate(llm, cap, shape, w, params, prompts, pids=()) -> tuple[float, dict]:
@@ -123,6 +175,7 @@ def main() -> int:
     llm, shape, w, params, prompts = quick_decode_engine(
         args.model, "capture-graph" if capture else "vanilla-graph")
     llm.generate(prompts.make(w), params, use_tqdm=False)
+    iteration = label_iterations(llm.llm_engine.engine_core.engine_core)
     scenarios = {n: S.SCENARIOS[n].capture for n in names}
 
     def host_timers() -> dict:
@@ -142,8 +195,11 @@ def main() -> int:
             return gen_s, {"host_timers_this_generate": timers, "fetch_s": time.perf_counter() - t}
 
         times = [generate()[0] for _ in range(args.reps)]
+        iteration[0] = 0
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             prof_s, status = generate()
+        first = first_iterations(prof.events())
+        (out / f"iterations_{name}.json").write_text(json.dumps(first, indent=1))
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
         (out / f"profile_{name}.txt").write_text(table)
         watched = {}
@@ -174,6 +230,8 @@ def main() -> int:
                          "profiled_ms_per_step": round(prof_s * 1e3 / w.new_tokens, 4),
                          "gen_s": times, "tok_s": [w.generated_tokens / t for t in times],
                          "profiled_gen_s": prof_s, "watched": watched,
+                         "first_iterations": [{k: v for k, v in it.items() if k != "longest"}
+                                              for it in first],
                          "cprofile_capture_ms_per_step": {
                              where: round(ct * 1e3 / (w.new_tokens * args.cprofile_reps), 4)
                              for ct, where in ours},

@@ -2209,3 +2209,47 @@ def test_host_cpu_reads_the_first_cpus_identity_every_cpus_mhz_and_the_last_cach
     # A host that exposes less: what it has.
     bare = host_cpu.describe("processor\t: 0\nmodel name\t: AMD EPYC\n", tmp_path / "none")
     assert bare["model"] == "AMD EPYC" and "mhz" not in bare and "last_level_cache" not in bare
+
+
+def test_profile_step_reads_each_labelled_engine_iteration_apart():
+    """A stand-in engine core that multiplies matrices on its second call and adds on the others;
+    after one call the counter is set back to 0 and three are profiled (torch's profiler, CPU):
+    ``first_iterations`` finds each labelled step, the products in iteration 0 (the second
+    call) only, and each iteration's calls within its own time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import profile_step as P
+
+    a = torch.randn(384, 384)
+
+    class Core:
+        def __init__(self):
+            self.calls = 0
+
+        def step_fn(self):
+            self.calls += 1
+            if self.calls % 3 == 2:
+                for _ in range(4):
+                    torch.mm(a, a)
+            else:
+                torch.add(a, 1.0)
+            return self.calls
+
+    core = Core()
+    counter = P.label_iterations(core)
+    assert core.step_fn() == 1 and counter == [1]
+    counter[0] = 0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        results = [core.step_fn() for _ in range(3)]
+    assert results == [2, 3, 4]  # the wrapped step's own results
+    first = P.first_iterations(prof.events(), count=5, top=3)
+    assert [it["iteration"] for it in first] == [0, 1, 2]
+    mm = [it for it in first if "aten::mm" in it["self_ms"]]
+    assert [it["iteration"] for it in mm] == [0]  # calls 2 (k=0), 3, 4: only call 2 multiplies
+    assert "aten::add" in first[1]["self_ms"] and "aten::add" in first[2]["self_ms"]
+    for it in first:
+        assert 0 < sum(it["self_ms"].values()) <= it["ms"] + 1e-3
+        assert len(it["longest"]) <= 3 and it["device_ms"] == 0.0
+    assert first[0]["longest"][0][0] == "aten::mm"
+    assert first[0]["ms"] > max(first[1]["ms"], first[2]["ms"])
