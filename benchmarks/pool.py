@@ -22,7 +22,10 @@ since session 30): the 1B's capture cost moved by several percent from machine t
 Where runs split each generate into the engine's iterations and the rest (``run.py``'s
 ``engine_iterations_s``, since session 31), a second table pools that split over their reps
 (``report.iteration_split``): whether a scenario's cost against another lies in the engine's
-iterations or outside them.
+iterations or outside them. Where runs kept every iteration (``engine_iteration_ms``, since
+session 33), a third pools the iterations' time by place (``report.parts_against``: the first,
+1-4, the steady ones, the last 4): one run's steady part spans 0 within its interval, where a
+cost of 0.1 ms an iteration is 1% of the 1B's generate.
 
 Where the runs were started in both engine orders (``run.py --baseline-first`` for some), three
 more columns pool each order's reps apart and weigh the two orders equally: the engine started
@@ -80,8 +83,10 @@ def pool(reports: list[dict], workload: str, scenario: str, against: str) -> dic
             # run.py lists a rep's scenarios as given in even reps and reversed in odd ones.
             "forward": R.paired_ratio(in_order(base_all, 0), in_order(own_all, 0)),
             "reversed": R.paired_ratio(in_order(base_all, 1), in_order(own_all, 1)),
-            # Over the reps whose runs split each generate (``report.iteration_split``).
-            "split": R.iteration_split(base_all, own_all)}
+            # Over the reps whose runs split each generate (``report.iteration_split``), and
+            # whose runs kept every iteration (``report.parts_against``, in ms).
+            "split": R.iteration_split(base_all, own_all),
+            "parts": R.parts_against(base_all, own_all)}
 
 
 def equal_weight(a: dict, b: dict) -> dict:
@@ -121,6 +126,7 @@ def markdown(reports: list[dict], names: list[str]) -> str:
              + extra + " |",
              "|---|---|---|" + "---|" * len(names) + "---|---|---|---|" + "---|" * (3 * both)]
     splits: list[str] = []
+    places: list[str] = []
     if any(host_text(r) != "-" for r in reports):
         lines.append("| host | cpu | - | " + " | ".join(host_text(r) for r in reports)
                      + " | - | - | - | -" + " | -" * (3 * both) + " |")
@@ -148,12 +154,20 @@ def markdown(reports: list[dict], names: list[str]) -> str:
                     splits.append(f"| {workload} | {scenario} | {against} | "
                                   + " | ".join(R.split_texts(p["split"]))
                                   + f" | {p['split']['outside_ms']['reps']} |")
+                if p["parts"]:
+                    places.append(f"| {workload} | {scenario} | {against} | "
+                                  + R.parts_text(p["parts"]) + " |")
     if splits:
         lines += ["", "Over the reps of runs that split each generate (`engine_iterations_s`): the "
                   "other scenario's engine iterations over these (below 1: slower), and the ms "
                   "more outside them:", "",
                   "| workload | scenario | against | engine iterations | outside them, ms | reps |",
                   "|---|---|---|---|---|---|", *splits]
+    if places:
+        lines += ["", "Over the reps of runs that kept every iteration (`engine_iteration_ms`): "
+                  "the ms more than the other scenario in each place of the generate (mean, 95% "
+                  "interval):", "", "| workload | scenario | against | by place |", "|---|---|---|---|",
+                  *places]
     return "\n".join(lines) + "\n"
 
 

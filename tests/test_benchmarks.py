@@ -1278,6 +1278,31 @@ def test_pool_gives_the_iteration_split_over_the_reps_of_runs_that_have_it():
     assert "engine iterations" not in markdown([run(0.02, split=False)], ["a"])
 
 
+def test_pool_places_the_iterations_time_over_the_reps_of_runs_that_kept_it():
+    """Rep 0 of each run pairs within its run: hidden-last's steady iterations 10 ms longer
+    than idle's in run 1, 20 ms in run 2, its first iteration 2 ms longer in both; a run
+    without the iterations adds nothing."""
+    from benchmarks.pool import markdown, pool
+
+    def run(extra_steady, kept=True):
+        own = _m("hidden-last", 990.0, reps=(0,))
+        idle = _m("idle", 1000.0, reps=(0,))
+        if kept:
+            own[0]["engine_iteration_ms"] = _iterations(16, 8, 600 + extra_steady, 9)
+            idle[0]["engine_iteration_ms"] = _iterations(14, 8, 600, 9)
+        return {"measurements": idle + own + _m("vanilla", 1000.0, reps=(0,))}
+
+    p = pool([run(10), run(20), run(90, kept=False)], "decode-c64", "hidden-last", "idle")
+    assert p["parts"]["reps"] == 2
+    assert p["parts"]["steady"]["ms"] == pytest.approx(15.0)
+    assert p["parts"]["head"]["ms"] == pytest.approx(2.0)
+    assert pool([run(10)], "decode-c64", "hidden-last", "vanilla")["parts"] is None
+    md = markdown([run(10), run(20)], ["a", "b"])
+    assert "| decode-c64 | hidden-last | idle | head +2.0 (+2.0 to +2.0), " in md
+    assert "steady +15.0 (" in md
+    assert "by place" not in markdown([run(10, kept=False)], ["a"])
+
+
 def test_pool_splits_reps_run_forward_from_reps_run_reversed():
     """Even reps ran the scenarios in the order given, odd reps reversed: each order's reps pool
     apart (here hidden-last reads 0.9 forward and 1.1 reversed, in both runs)."""
