@@ -242,7 +242,7 @@ PY
     # started first, 1.114 started last): BENCH_ARGS=--baseline-first starts vanilla first, so
     # that the pool's "both orders" weighs runs of either order.
     python3 benchmarks/run.py --suite quick --scenarios vanilla,idle,hidden-last --reps 80 \
-      --budget-s 500 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 25
+      --budget-s 500 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 22
     ;;
   bench-1b-alone)
     # bench-1b-paired without the vanilla engine: the capture engine alone in the benchmark's
@@ -269,7 +269,7 @@ PY
     # timed engine loads its compiled model from the cache: by default the capture engine and the
     # control compile in their own processes and vanilla loads, about 15 s more in all.)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
-      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 42
+      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 35
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph

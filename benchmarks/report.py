@@ -106,24 +106,21 @@ def iteration_split(base: list[dict], reps: list[dict]) -> dict | None:
 #: between; ``steady_iteration`` is the steady ones' median, one iteration.
 ITERATION_PARTS = ("head", "early", "steady", "tail", "steady_iteration")
 EARLY_ITERATIONS, TAIL_ITERATIONS = 4, 4
-#: What an iteration's place is read in: its ms, and the engine thread's CPU ms in it.
-ITERATION_TRACES = {"ms": "engine_iteration_ms", "cpu_ms": "engine_iteration_cpu_ms"}
 
 
-def iteration_parts(ms: list[float | None] | None) -> tuple[float, ...] | None:
-    """``ITERATION_PARTS`` of one generate's iteration ms (None for too few iterations, or
-    where one was not measured)."""
-    if not ms or len(ms) < 2 + EARLY_ITERATIONS + TAIL_ITERATIONS or None in ms:
+def iteration_parts(ms: list[float] | None) -> tuple[float, ...] | None:
+    """``ITERATION_PARTS`` of one generate's iteration ms (None for too few iterations)."""
+    if not ms or len(ms) < 2 + EARLY_ITERATIONS + TAIL_ITERATIONS:
         return None
     steady = ms[1 + EARLY_ITERATIONS:-TAIL_ITERATIONS]
     return (ms[0], sum(ms[1:1 + EARLY_ITERATIONS]), sum(steady), sum(ms[-TAIL_ITERATIONS:]),
             statistics.median(steady))
 
 
-def parts_summary(reps: list[dict], trace: str = "engine_iteration_ms") -> dict | None:
-    """Medians over generates of ``iteration_parts`` of ``trace``, and the steady iterations'
-    count."""
-    traces = [r[trace] for r in reps if iteration_parts(r.get(trace))]
+def parts_summary(reps: list[dict]) -> dict | None:
+    """Medians over generates of ``iteration_parts``, and the steady iterations' count."""
+    traces = [r["engine_iteration_ms"] for r in reps
+              if iteration_parts(r.get("engine_iteration_ms"))]
     if not traces:
         return None
     parts = [iteration_parts(t) for t in traces]
@@ -134,12 +131,11 @@ def parts_summary(reps: list[dict], trace: str = "engine_iteration_ms") -> dict 
                 len(t) - 1 - EARLY_ITERATIONS - TAIL_ITERATIONS for t in traces)}
 
 
-def parts_against(base: list[dict], reps: list[dict],
-                  trace: str = "engine_iteration_ms") -> dict | None:
-    """Rep by rep against the baseline's generates of the same rep: the ms of ``trace`` more in
-    each of ``ITERATION_PARTS`` (mean, 95% interval). None where no rep of each has them."""
-    base_p = sum_by_rep(base, lambda m: iteration_parts(m.get(trace)))
-    own_p = sum_by_rep(reps, lambda m: iteration_parts(m.get(trace)))
+def parts_against(base: list[dict], reps: list[dict]) -> dict | None:
+    """Rep by rep against the baseline's generates of the same rep: the ms more in each of
+    ``ITERATION_PARTS`` (mean, 95% interval). None where no rep of each has them."""
+    base_p = sum_by_rep(base, lambda m: iteration_parts(m.get("engine_iteration_ms")))
+    own_p = sum_by_rep(reps, lambda m: iteration_parts(m.get("engine_iteration_ms")))
     common = [k for k in own_p if k in base_p]
     if not common:
         return None
@@ -354,8 +350,7 @@ def aggregate(reps: list[dict]) -> dict:
             lambda r: None if r.get("engine_iterations_s") is None
             else (r["gen_s"] - r["engine_iterations_s"]) * 1e3)),
         "head": head_summary(reps),
-        "iteration_parts": {name: parts for name, trace in ITERATION_TRACES.items()
-                            if (parts := parts_summary(reps, trace))},
+        "iteration_parts": parts_summary(reps),
         # What the GPU ran at during the generates (NVML, sampled on the client's thread); its
         # ``samples``: the reps that read it.
         "gpu": gpu_summary([r["gpu"] for r in reps if r.get("gpu")]),
@@ -416,10 +411,8 @@ def summarize(measurements: list[dict]) -> dict[str, dict[str, dict]]:
             against: split for against, others in ((BASELINE, base_reps), (IDLE, idle_reps))
             if others and against != scenario and (split := iteration_split(others, reps))}
         agg["parts_vs"] = {
-            against: by_trace for against, others in ((BASELINE, base_reps), (IDLE, idle_reps))
-            if others and against != scenario and (by_trace := {
-                name: parts for name, trace in ITERATION_TRACES.items()
-                if (parts := parts_against(others, reps, trace))})}
+            against: parts for against, others in ((BASELINE, base_reps), (IDLE, idle_reps))
+            if others and against != scenario and (parts := parts_against(others, reps))}
         table.setdefault(workload, {})[scenario] = agg
     for rows in table.values():
         base = rows.get(BASELINE, {}).get("tok_s")
@@ -648,42 +641,35 @@ def _split_table(rows: dict[str, dict]) -> list[str]:
 
 
 def _parts_table(rows: dict[str, dict]) -> list[str]:
-    """Markdown lines: each scenario's iterations by their place in the generate, in ms and in
-    the engine thread's CPU ms (medians), then the ms more than vanilla and idle in each place,
-    rep by rep (``parts_against``)."""
-    own = [(name, measure, p) for name, a in rows.items()
-           for measure, p in (a.get("iteration_parts") or {}).items()]
+    """Markdown lines: each scenario's iterations by their place in the generate (medians),
+    then the ms more than vanilla and idle in each place, rep by rep (``parts_against``)."""
+    own = {name: a["iteration_parts"] for name, a in rows.items() if a.get("iteration_parts")}
     if not own:
         return []
     early, tail = f"iterations 1-{EARLY_ITERATIONS}", f"last {TAIL_ITERATIONS}"
-    lines = ["", "The engine's iterations by their place in the generate (ms, and the engine "
-             f"thread's CPU ms in them: the first, the next {EARLY_ITERATIONS}, the steady ones "
-             f"between, the last {TAIL_ITERATIONS}, and the steady ones' median iteration; "
-             "medians over generates):", "",
-             f"| scenario | of | generates | first | {early} | steady (count) | {tail} "
-             "| steady iteration |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, measure, p in own:
-        lines.append(f"| {name} | {measure} | {p['generates']} | {p['head']:.2f} | "
-                     f"{p['early']:.2f} | {p['steady']:.1f} ({p['steady_count']:.0f}) | "
-                     f"{p['tail']:.2f} | {p['steady_iteration']:.3f} |")
-    deltas = [(name, against, measure, d) for name, a in rows.items()
-              for against, by_trace in (a.get("parts_vs") or {}).items()
-              for measure, d in by_trace.items()]
+    lines = ["", "The engine's iterations by their place in the generate (ms: the first, the next "
+             f"{EARLY_ITERATIONS}, the steady ones between, the last {TAIL_ITERATIONS}, and the "
+             "steady ones' median iteration; medians over generates):", "",
+             f"| scenario | generates | first | {early} | steady (count) | {tail} | steady iteration |",
+             "|---|---|---|---|---|---|---|"]
+    for name, p in own.items():
+        lines.append(f"| {name} | {p['generates']} | {p['head']:.2f} | {p['early']:.2f} | "
+                     f"{p['steady']:.1f} ({p['steady_count']:.0f}) | {p['tail']:.2f} | "
+                     f"{p['steady_iteration']:.3f} |")
+    deltas = [(name, against, d) for name, a in rows.items()
+              for against, d in (a.get("parts_vs") or {}).items()]
     if deltas:
         lines += ["", "The same, ms more than another scenario rep by rep (mean, 95% interval):", "",
-                  f"| scenario | against | of | reps | first | {early} | steady | {tail} "
-                  "| steady iteration |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for name, against, measure, d in deltas:
+                  f"| scenario | against | reps | first | {early} | steady | {tail} | steady iteration |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, against, d in deltas:
             cells = []
             for part in ITERATION_PARTS:
                 ci = d[part]["ci95"]
                 fmt = "{:+.3f}" if part == "steady_iteration" else "{:+.2f}"
                 cells.append(fmt.format(d[part]["ms"])
                              + (f" ({fmt.format(ci[0])} to {fmt.format(ci[1])})" if ci else ""))
-            lines.append(f"| {name} | {against} | {measure} | {d['reps']} | "
-                         + " | ".join(cells) + " |")
+            lines.append(f"| {name} | {against} | {d['reps']} | " + " | ".join(cells) + " |")
     return lines
 
 

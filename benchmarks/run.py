@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
 import shlex
@@ -535,10 +534,8 @@ class EngineRun:
         if iterations is not None:
             rec["engine_iterations_s"], rec["engine_iterations"] = iterations
             one_by_one = self.iterations.iterations(generate)
-            if one_by_one is not None and len(one_by_one[0]) == iterations[1]:
-                rec["engine_iteration_ms"], rec["engine_iteration_cpu_ms"] = (
-                    [None if math.isnan(v) else round(v * 1e3, 4) for v in values]
-                    for values in one_by_one)
+            if one_by_one is not None and len(one_by_one) == iterations[1]:
+                rec["engine_iteration_ms"] = [round(s * 1e3, 4) for s in one_by_one]
         head = self.iterations.head(generate)
         if head is not None:
             rec["engine_head"] = head
@@ -1023,9 +1020,9 @@ def print_summary(rep: dict, out_dir: Path) -> None:
                 iterations, outside = R.split_texts(split)
                 print(f"   {name} against {against}: engine iterations {iterations}, "
                       f"outside them {outside} ms a generate")
-                for measure, parts in (a.get("parts_vs") or {}).get(against, {}).items():
-                    print(f"   {name} against {against}, by place ({measure}): "
-                          f"{R.parts_text(parts)}")
+                parts = (a.get("parts_vs") or {}).get(against)
+                if parts:
+                    print(f"   {name} against {against}, by place: {R.parts_text(parts)}")
         for name, a in rows.items():
             if a.get("head"):
                 print(f"   {name} head: {R.head_text(a['head'])}")
