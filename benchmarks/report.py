@@ -119,16 +119,15 @@ def iteration_parts(ms: list[float] | None) -> tuple[float, ...] | None:
 
 def parts_summary(reps: list[dict]) -> dict | None:
     """Medians over generates of ``iteration_parts``, and the steady iterations' count."""
-    traces = [r["engine_iteration_ms"] for r in reps
-              if iteration_parts(r.get("engine_iteration_ms"))]
-    if not traces:
+    kept = [(len(r["engine_iteration_ms"]), parts) for r in reps
+            if (parts := iteration_parts(r.get("engine_iteration_ms")))]
+    if not kept:
         return None
-    parts = [iteration_parts(t) for t in traces]
-    return {"generates": len(parts),
-            **{name: statistics.median(p[i] for p in parts)
+    return {"generates": len(kept),
+            **{name: statistics.median(p[i] for _, p in kept)
                for i, name in enumerate(ITERATION_PARTS)},
             "steady_count": statistics.median(
-                len(t) - 1 - EARLY_ITERATIONS - TAIL_ITERATIONS for t in traces)}
+                n - 1 - EARLY_ITERATIONS - TAIL_ITERATIONS for n, _ in kept)}
 
 
 def parts_against(base: list[dict], reps: list[dict]) -> dict | None:
@@ -146,16 +145,19 @@ def parts_against(base: list[dict], reps: list[dict]) -> dict | None:
     return out
 
 
+def ms_text(d: dict, fmt: str = "{:+.1f}") -> str:
+    """A mean difference in ms with its 95% interval (``{"ms", "ci95"}``), e.g. "+1.4 (+0.7 to
+    +2.1)"."""
+    ci = d["ci95"]
+    return fmt.format(d["ms"]) + (f" ({fmt.format(ci[0])} to {fmt.format(ci[1])})" if ci else "")
+
+
 def parts_text(delta: dict) -> str:
     """A ``parts_against`` as text."""
-    def ms(part, fmt="{:+.1f}"):
-        d = delta[part]
-        ci = d["ci95"]
-        return fmt.format(d["ms"]) + (f" ({fmt.format(ci[0])} to {fmt.format(ci[1])})" if ci else "")
-
-    return (f"head {ms('head')}, iterations 1-{EARLY_ITERATIONS} {ms('early')}, steady "
-            f"{ms('steady')}, last {TAIL_ITERATIONS} {ms('tail')} ms a generate; a steady "
-            f"iteration {ms('steady_iteration', '{:+.3f}')} ms ({delta['reps']} reps)")
+    return (f"head {ms_text(delta['head'])}, iterations 1-{EARLY_ITERATIONS} "
+            f"{ms_text(delta['early'])}, steady {ms_text(delta['steady'])}, last "
+            f"{TAIL_ITERATIONS} {ms_text(delta['tail'])} ms a generate; a steady iteration "
+            f"{ms_text(delta['steady_iteration'], '{:+.3f}')} ms ({delta['reps']} reps)")
 
 
 def mean_interval(values: list[float]) -> tuple[float, float | None]:
@@ -612,10 +614,7 @@ def _threads_table(rows: dict[str, dict]) -> list[str]:
 
 def split_texts(split: dict) -> list[str]:
     """An ``iteration_split`` as text: the iterations' ratio, the ms more outside them."""
-    extra = split["outside_ms"]
-    ci = extra["ci95"]
-    return [ratio_text(split["iterations"]),
-            f"{extra['ms']:+.1f}" + (f" ({ci[0]:+.1f} to {ci[1]:+.1f})" if ci else "")]
+    return [ratio_text(split["iterations"]), ms_text(split["outside_ms"])]
 
 
 def _split_table(rows: dict[str, dict]) -> list[str]:
@@ -663,12 +662,8 @@ def _parts_table(rows: dict[str, dict]) -> list[str]:
                   f"| scenario | against | reps | first | {early} | steady | {tail} | steady iteration |",
                   "|---|---|---|---|---|---|---|---|"]
         for name, against, d in deltas:
-            cells = []
-            for part in ITERATION_PARTS:
-                ci = d[part]["ci95"]
-                fmt = "{:+.3f}" if part == "steady_iteration" else "{:+.2f}"
-                cells.append(fmt.format(d[part]["ms"])
-                             + (f" ({fmt.format(ci[0])} to {fmt.format(ci[1])})" if ci else ""))
+            cells = [ms_text(d[part], "{:+.3f}" if part == "steady_iteration" else "{:+.2f}")
+                     for part in ITERATION_PARTS]
             lines.append(f"| {name} | {against} | {d['reps']} | " + " | ".join(cells) + " |")
     return lines
 
