@@ -101,7 +101,12 @@ def first_iterations(events, count: int = FIRST_ITERATIONS, top: int = TOP_CALLS
     ``label_iterations`` named them: ``ms`` (the range, on the host), ``device_ms`` (kernels and
     copies launched in it), ``self_ms`` (the self CPU ms of the calls in it, by name, the
     ``top`` largest) and ``longest`` (its ``top`` longest single calls, self CPU ms)."""
-    ranges = {e.name: e for e in events if e.name.startswith(ITERATION_LABEL)}
+    from torch.autograd import DeviceType
+
+    # On a GPU each range also appears as a device-side annotation of the same name, spanning
+    # only the kernels in it; the host range is the one that holds the iteration.
+    ranges = {e.name: e for e in events
+              if e.name.startswith(ITERATION_LABEL) and e.device_type == DeviceType.CPU}
     out = []
     for k in range(count):
         r = ranges.get(f"{ITERATION_LABEL}{k}")

@@ -2224,7 +2224,10 @@ def test_profile_step_reads_each_labelled_engine_iteration_apart():
     after one call the counter is set back to 0 and three are profiled (torch's profiler, CPU):
     ``first_iterations`` finds each labelled step, the products in iteration 0 (the second
     call) only, and each iteration's calls within its own time."""
+    from types import SimpleNamespace
+
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks import profile_step as P
@@ -2251,7 +2254,16 @@ def test_profile_step_reads_each_labelled_engine_iteration_apart():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         results = [core.step_fn() for _ in range(3)]
     assert results == [2, 3, 4]  # the wrapped step's own results
-    first = P.first_iterations(prof.events(), count=5, top=3)
+    # On a GPU the profiler also lists each range as a device-side annotation of the same name,
+    # after the host's, on the stream's thread and spanning only its kernels (here its last
+    # microsecond): first_iterations must keep the host's.
+    events = list(prof.events())
+    events += [SimpleNamespace(name=e.name, device_type=DeviceType.CUDA, thread=e.thread + 1000,
+                               time_range=SimpleNamespace(start=e.time_range.end - 1,
+                                                          end=e.time_range.end),
+                               self_cpu_time_total=0.0, device_time_total=0.0)
+               for e in events if e.name.startswith(P.ITERATION_LABEL)]
+    first = P.first_iterations(events, count=5, top=3)
     assert [it["iteration"] for it in first] == [0, 1, 2]
     mm = [it for it in first if "aten::mm" in it["self_ms"]]
     assert [it["iteration"] for it in mm] == [0]  # calls 2 (k=0), 3, 4: only call 2 multiplies
