@@ -14,6 +14,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
 import importlib
+import re
 import sys
 
 import pytest
@@ -725,23 +726,25 @@ def test_launch_checks_layout():
     b = make_bufs(g, cap=4, W=5, ring_rows=4, ring_dtype=torch.float32, acc_slots=1)
     x = torch.zeros(3, 5)
     K.launch_capture(x, None, None, *(b[k] for k in BUFS), use_triton=False)
+    # Each bad buffer, and the start of the message that names it.
     bad = [
-        dict(ring=torch.zeros(4, 6)),
-        dict(ring=torch.zeros(1, 4, 5)),
-        dict(plan=torch.zeros(3, 4, dtype=torch.int32)),
-        dict(acc=torch.zeros(1, 5, dtype=torch.float16)),
-        dict(ring_labels=torch.zeros(4, 2, dtype=torch.int32)),
-        dict(site=torch.zeros(2, dtype=torch.int64)),
-        dict(plan=torch.zeros(4, 8, dtype=torch.int32)[:, ::2]),
-        dict(plan=torch.zeros(4, 4, dtype=torch.int32)),  # field-major: the kernel reads entry-major
+        (dict(ring=torch.zeros(4, 6)), "ring width 6 != W 5"),
+        (dict(ring=torch.zeros(1, 4, 5)), "ring must be [ring_rows, W], got (1, 4, 5)"),
+        (dict(plan=torch.zeros(3, 4, dtype=torch.int32)), "plan shape (3, 4)"),
+        (dict(acc=torch.zeros(1, 5, dtype=torch.float16)), "acc must be fp32"),
+        (dict(ring_labels=torch.zeros(4, 2, dtype=torch.int32)), "ring_labels shape (4, 2)"),
+        (dict(site=torch.zeros(2, dtype=torch.int64)), "site must be int32, got torch.int64"),
+        (dict(plan=torch.zeros(4, 8, dtype=torch.int32)[:, ::2]), "plan must be entry-major"),
+        # field-major: the kernel reads entry-major
+        (dict(plan=torch.zeros(4, 4, dtype=torch.int32)), "plan must be entry-major"),
     ]
-    for override in bad:
+    for override, message in bad:
         bb = dict(b, **override)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(f"launch_capture: {message}")):
             K.launch_capture(x, None, None, *(bb[k] for k in BUFS), use_triton=False)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape("residual (3, 4) != x (3, 5)")):
         K.launch_capture(x, torch.zeros(3, 4), None, *(b[k] for k in BUFS))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape("x must be 2-D [T, W], got (3, 5, 1)")):
         K.launch_capture(torch.zeros(3, 5, 1), None, None, *(b[k] for k in BUFS))
 
 
