@@ -107,12 +107,13 @@ case "$SET" in
     # in the graphs launched (-nonodes; -nogpu keeps the nodes, their kernels exiting), and
     # without both. BUDGET_S: seconds of reps, 420 by default, so that the summary and its table
     # of step phases get written. Where the host has hardware counters, "counted" lines give the
-    # engine step's user-mode instructions and cycles.)
+    # engine step's user-mode instructions and cycles. After the phase table, a generate's first
+    # iterations by phase, each case's difference from idle's.)
     timeout 560 python3 benchmarks/harvest_ablation.py --model 1b --out "$OUT" \
       --reps ${2:-16} --budget-s ${BUDGET_S:-420} ${CASES:+--cases $CASES} >"$OUT/ablation.log" 2>&1
     echo "ablation rc=$?"
     grep -E "^(idle|hidden)" "$OUT/ablation.log" | cut -c1-700
-    grep -A30 "^phase (ms/step)" "$OUT/ablation.log"
+    sed -n '/^phase (ms\/step)/,$p' "$OUT/ablation.log" | grep -v "^counted"
     ;;
   after-capture)
     # What a capture leaves in the engine (benchmarks/after_capture.py): one capture engine's idle

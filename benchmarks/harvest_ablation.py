@@ -58,6 +58,10 @@ from benchmarks.profile_step import (  # noqa: E402
 from benchmarks.run import descendants, pin  # noqa: E402
 
 CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
+#: A generate's first engine iterations, each timed apart by phase: in sessions 33-35's
+#: benchmarks a last-token capture's second iteration (the first decode step's launch, then the
+#: wait for the prefill's output) took about 7 ms more than idle's, with the first level.
+FIRST_ITERATIONS = 4
 #: A case's suffix and the patch switches it turns on.
 SUFFIX_SWITCHES = {"-nostore": ("drop",), "-nohost": ("skip",), "-nogpu": ("nogpu",),
                    "-nonodes": ("nonodes",), "-bare": ("skip", "nonodes")}
@@ -265,15 +269,27 @@ class PhaseTimers:
     -1 where the host has no hardware counters); a read is a system call, so only the step's
     outermost phase is counted by default."""
 
-    def __init__(self, phases=PHASES, counted=("iteration",)):
+    def __init__(self, phases=PHASES, counted=("iteration",), first: int = FIRST_ITERATIONS):
         import importlib
         import mmap
 
         import numpy as np
 
         self.names = list(dict.fromkeys(name for *_, name in phases))
-        self._map = mmap.mmap(-1, 32 * len(self.names))
-        self._totals = np.frombuffer(self._map, dtype=np.float64).reshape(len(self.names), 4)
+        self.first = first
+        n = len(self.names)
+        self._map = mmap.mmap(-1, 32 * n + 8 * (1 + first * n))
+        self._totals = np.frombuffer(self._map, dtype=np.float64, count=4 * n).reshape(n, 4)
+        # The generate's iteration the engine is in (set to 0 by ``new_generate``, advanced as
+        # each iteration ends), then seconds by phase of its first ``first`` iterations.
+        self._at = np.frombuffer(self._map, dtype=np.float64, count=1, offset=32 * n)
+        self._first = np.frombuffer(self._map, dtype=np.float64, count=first * n,
+                                    offset=32 * n + 8).reshape(first, n)
+        # An iteration ends where the outermost of these ends: "iteration" holds "step", and an
+        # engine in this process (--in-process) has no EngineCoreProc, so "step" alone.
+        self._iteration_phases = {self.names.index(n) for n in ("iteration", "step")
+                                  if n in self.names}
+        self._depth = 0  # of those, in the engine's process
         counters = ThreadCounters()
         for module, cls, method, name in phases:
             try:
@@ -282,20 +298,31 @@ class PhaseTimers:
                 owner = None
             fn = None if owner is None else owner.__dict__.get(method)
             if fn is not None:
-                setattr(owner, method, self._timed(fn, self._totals[self.names.index(name)],
+                setattr(owner, method, self._timed(fn, self.names.index(name),
                                                    counters if name in counted else None))
 
-    @staticmethod
-    def _timed(fn, total, counters):
+    def _timed(self, fn, index, counters):
         clock = time.perf_counter
+        total, at, first = self._totals[index], self._at, self._first
+        is_iteration = index in self._iteration_phases
 
         def timed(*args, **kwargs):
             t0 = clock()
+            if is_iteration:
+                self._depth += 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                total[0] += clock() - t0
+                spent = clock() - t0
+                total[0] += spent
                 total[1] += 1
+                k = int(at[0])
+                if k < len(first):
+                    first[k, index] += spent
+                if is_iteration:
+                    self._depth -= 1
+                    if self._depth == 0:
+                        at[0] = k + 1
 
         if counters is None:
             return timed
@@ -313,6 +340,18 @@ class PhaseTimers:
                     total[3] += c1[1] - c0[1]
 
         return timed_and_counted
+
+    def new_generate(self) -> None:
+        """Start reading the first iterations anew: the engine's next iteration is number 0."""
+        self._first[:] = 0.0
+        self._at[0] = 0.0
+
+    def first_iterations(self) -> list[dict[str, float]]:
+        """ms by phase of each of the first iterations since ``new_generate`` (those the engine
+        ran), phases it did not run left out."""
+        ran = min(int(self._at[0]), self.first)
+        return [{name: float(ms) for name, ms in zip(self.names, self._first[k] * 1e3) if ms > 0}
+                for k in range(ran)]
 
     def read(self) -> dict[str, tuple[float, int, float, float]]:
         return {name: (float(s), int(n), float(i), float(c))
@@ -344,6 +383,41 @@ def counted_per_step(reps: list[dict], idle: list[dict], steps: int) -> dict:
                 out[f"{name}_{what}"] = round(statistics.median(a for a, _ in pairs) / steps)
                 out[f"{name}_{what}_vs_idle"] = round(statistics.median(a - b for a, b in pairs) / steps)
     return out
+
+
+def first_iterations_by_phase(reps: list[dict], idle: list[dict]) -> list[dict]:
+    """Of each of the generates' first iterations: ms by phase (median over the reps that ran
+    it) and the same rep's difference from idle (median; a phase one of the two did not run
+    counts 0 there)."""
+    out = []
+    for k in range(FIRST_ITERATIONS):
+        pairs = [(r["first_iterations"][k], i["first_iterations"][k]) for r, i in zip(reps, idle)
+                 if len(r["first_iterations"]) > k and len(i["first_iterations"]) > k]
+        if not pairs:
+            break
+        names = list(dict.fromkeys(n for a, b in pairs for n in (*a, *b)))
+        out.append({"iteration": k, "reps": len(pairs),
+                    "ms": {n: round(statistics.median(a.get(n, 0.0) for a, _ in pairs), 4)
+                           for n in names},
+                    "ms_vs_idle": {n: round(statistics.median(a.get(n, 0.0) - b.get(n, 0.0)
+                                                              for a, b in pairs), 4)
+                                   for n in names}})
+    return out
+
+
+def print_first_iterations(summary: dict, cases: tuple[str, ...]) -> None:
+    """Each first iteration by phase: idle's ms, then each case's difference from it."""
+    for k, it in enumerate(summary[S.IDLE]["first_iterations"]):
+        print(f"{f'iteration {k} (ms)':<20}{'idle':>9}" + "".join(f"{c[:18]:>20}" for c in cases[1:]))
+        names = list(dict.fromkeys(n for c in cases for its in [summary[c]["first_iterations"]]
+                                   if len(its) > k for n in its[k]["ms"]))
+        for name in names:
+            row = f"{name:<20}{it['ms'].get(name, 0.0):>9.3f}"
+            for case in cases[1:]:
+                its = summary[case]["first_iterations"]
+                diff = its[k]["ms_vs_idle"].get(name, float("nan")) if len(its) > k else float("nan")
+                row += f"{diff:>+20.3f}"
+            print(row, flush=True)
 
 
 def print_phase_table(summary: dict, cases: tuple[str, ...]) -> None:
@@ -414,7 +488,9 @@ def main() -> int:
             (flags / switch).touch()
         idle_status, phases_before = status(), phases.read()
         before = idle_status["host_timers"]
+        phases.new_generate()
         gen_s, threads = capture_and_generate(llm, cap, shape, w, params, prompts, engine_pids)
+        first = phases.first_iterations()
         fetch_s = None
         if cap is not None:
             capturing = api.capture_status(llm, cap.stream)
@@ -447,6 +523,7 @@ def main() -> int:
         return {"gen_s": gen_s, "generated_tokens": w.generated_tokens, "fetch_s": fetch_s,
                 "timers": {k: after[k] - before[k] for k in after},
                 "phases": PhaseTimers.spent(phases_before, phases_after),
+                "first_iterations": first,
                 # On a CPU, and neither on one nor waiting for one (blocked: on the GPU's
                 # blocking events, on I/O).
                 "main_ms": {"on_cpu": main[0], "blocked": gen_s * 1e3 - main[0] - main[1]}}
@@ -501,11 +578,13 @@ def main() -> int:
                 r["phases"].get(name, {"calls": 0})["calls"] for r in reps) / w.new_tokens, 3)
                 for name in phase_ms},
             "counted_per_step": counted_per_step(reps, runs[S.IDLE], w.new_tokens),
+            "first_iterations": first_iterations_by_phase(reps, runs[S.IDLE]),
             "gen_s": [round(r["gen_s"], 4) for r in reps]}
         print(case, json.dumps(summary[case]), flush=True)
     summary["cpus"] = cpus
     summary["reps"] = len(runs[S.IDLE])
     print_phase_table(summary, cases)
+    print_first_iterations(summary, cases)
     for case in cases:
         print(f"counted {case}: {json.dumps(summary[case]['counted_per_step'])}", flush=True)
     (out / "harvest_ablation.json").write_text(json.dumps(summary, indent=1))

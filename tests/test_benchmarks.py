@@ -1583,6 +1583,14 @@ class _Step:
     def step_with_queue(self):
         raise RuntimeError("failed step")
 
+    def iteration(self, naps):
+        self.step()
+        for _ in range(naps):
+            self.nap()
+
+    def nap(self):
+        time.sleep(0.002)
+
 
 def test_phase_timers_count_every_call_in_the_forked_engine_and_add_same_named_methods():
     from benchmarks.harvest_ablation import PhaseTimers
@@ -1613,6 +1621,66 @@ def test_phase_timers_count_every_call_in_the_forked_engine_and_add_same_named_m
     assert spent["step"]["calls"] == 4  # a call that raised is timed too
     assert spent["schedule"]["calls"] == 3 + 1
     assert spent["step"]["ms"] >= 0 and spent["schedule"]["ms"] >= 0
+
+
+def test_phase_timers_time_each_of_a_generates_first_iterations_apart():
+    from benchmarks.harvest_ablation import PhaseTimers
+
+    here = __name__
+    timers = PhaseTimers(((here, "_Step", "iteration", "iteration"),
+                          (here, "_Step", "step", "step"),
+                          (here, "_Step", "nap", "nap")), first=2)
+    _Step().iteration(3)  # an earlier generate's
+    timers.new_generate()
+    pid = os.fork()
+    if pid == 0:  # the engine core: two naps in its first iteration, none in its second
+        try:
+            for naps in (2, 0, 1):
+                _Step().iteration(naps)  # its step inside it ends no iteration
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    first = timers.first_iterations()
+    assert len(first) == 2  # the third iteration ran, but only two are kept
+    assert set(first[0]) == {"iteration", "step", "nap"} and set(first[1]) == {"iteration", "step"}
+    assert first[0]["nap"] >= 4.0 and first[0]["iteration"] >= first[0]["nap"] + first[0]["step"]
+    assert first[1]["iteration"] < first[0]["nap"]
+    assert timers.read()["nap"][1] == 3 + 2 + 1  # the totals count on
+    timers.new_generate()
+    assert timers.first_iterations() == []  # no iteration of the next generate yet
+    # An engine without the outer loop (in this process): each step is an iteration.
+    _Step().step()
+    _Step().step()
+    assert [set(it) for it in timers.first_iterations()] == [{"step"}, {"step"}]
+
+
+def test_first_iterations_by_phase_pairs_each_rep_with_idles_and_prints_them(capsys):
+    from benchmarks.harvest_ablation import first_iterations_by_phase, print_first_iterations
+
+    idle = [{"first_iterations": [{"iteration": 14.0}, {"iteration": 20.0, "output_wait": 12.0}]},
+            {"first_iterations": [{"iteration": 13.0}, {"iteration": 19.0, "output_wait": 11.0}]},
+            {"first_iterations": [{"iteration": 15.0}]}]  # its second iteration not read
+    last = [{"first_iterations": [{"iteration": 14.5}, {"iteration": 27.0, "output_wait": 18.0,
+                                                        "capture_begin_step": 1.0}]},
+            {"first_iterations": [{"iteration": 13.0}, {"iteration": 26.0, "output_wait": 18.0,
+                                                        "capture_begin_step": 1.2}]},
+            {"first_iterations": [{"iteration": 16.0}, {"iteration": 30.0}]}]
+    by_phase = first_iterations_by_phase(last, idle)
+    assert [it["reps"] for it in by_phase] == [3, 2]
+    assert by_phase[0]["ms"] == {"iteration": 14.5}
+    assert by_phase[0]["ms_vs_idle"] == {"iteration": 0.5}  # median of +0.5, 0, +1
+    assert by_phase[1]["ms"] == {"iteration": 26.5, "output_wait": 18.0, "capture_begin_step": 1.1}
+    assert by_phase[1]["ms_vs_idle"] == {"iteration": 7.0, "output_wait": 6.5,
+                                         "capture_begin_step": 1.1}  # idle ran none: 0
+    summary = {"idle": {"first_iterations": first_iterations_by_phase(idle, idle)},
+               "hidden-last": {"first_iterations": by_phase}}
+    print_first_iterations(summary, ("idle", "hidden-last"))
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert lines[:2] == [["iteration", "0", "(ms)", "idle", "hidden-last"],
+                         ["iteration", "14.000", "+0.500"]]
+    assert lines[2] == ["iteration", "1", "(ms)", "idle", "hidden-last"]
+    assert lines[3:] == [["iteration", "19.500", "+7.000"], ["output_wait", "11.500", "+6.500"],
+                         ["capture_begin_step", "0.000", "+1.100"]]
 
 
 def test_nodes_check_reads_the_graph_registry_idle_and_while_capturing():
