@@ -59,8 +59,8 @@ from benchmarks.run import descendants, pin  # noqa: E402
 
 CASES = ("idle", "hidden-last", "hidden-4l", "hidden-4l-nostore")
 #: A generate's first engine iterations, each timed apart by phase: in sessions 33-35's
-#: benchmarks a last-token capture's second iteration (the first decode step's launch, then the
-#: wait for the prefill's output) took about 7 ms more than idle's, with the first level.
+#: benchmarks a last-token capture's second iteration (session 35: the part of the prefill that
+#: runs outside CUDA graphs) took about 7 ms more than idle's, with the first level.
 FIRST_ITERATIONS = 4
 #: A case's suffix and the patch switches it turns on.
 SUFFIX_SWITCHES = {"-nostore": ("drop",), "-nohost": ("skip",), "-nogpu": ("nogpu",),

@@ -43,9 +43,9 @@ from benchmarks import scenarios as S  # noqa: E402
 from benchmarks.run import Prompts, prepare_model, thread_time_spent, thread_times  # noqa: E402
 
 #: The profiled generate's first engine iterations, each read apart: session 33's benchmark saw
-#: a last-token capture's second iteration (the first decode step's launch, then the wait for
-#: the prefill's output) take 5.6-7.4 ms more than idle's, its thread on the CPU throughout (a
-#: CUDA wait spins). Per iteration: its ms, the GPU time of the work it launched, the CPU
+#: a last-token capture's second iteration take 5.6-7.4 ms more than idle's, its thread on the
+#: CPU throughout (a CUDA wait spins); session 35 found it to be the part of the prefill that
+#: runs outside CUDA graphs. Per iteration: its ms, the GPU time of the work it launched, the CPU
 #: calls that took its time by name and the longest single ones (``first_iterations``).
 FIRST_ITERATIONS, TOP_CALLS = 4, 8
 ITERATION_LABEL = "engine iteration "
