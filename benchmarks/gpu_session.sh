@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -221,6 +221,14 @@ PY
     # plan buffers on the GPU and on the CPU.
     for d in cuda cpu; do
       timeout 120 python3 benchmarks/step_host.py --device $d 2>&1 | tee -a "$OUT/step_host.log" | grep -E "^\{"
+    done
+    ;;
+  eager-launch)
+    # One eager capture launch's host time (no engine, seconds): the whole launch, its layout
+    # checks, the op's dispatch; at the 1B's prefill shape (2,048 tokens, 64 requests) and one
+    # decode step's (64 tokens). With PACKAGE_AT, the same for an earlier package.
+    for t in 2048 64; do
+      timeout 120 python3 benchmarks/eager_launch.py --tokens $t 2>&1 | tee -a "$OUT/eager_launch.log" | grep -E "^\{"
     done
     ;;
   nodes)

@@ -1569,6 +1569,27 @@ def test_step_host_times_the_step_path_and_counts_plan_copies():
     assert (rows["plan_uploads"], rows["plan_steps"]) == (1, 19)
 
 
+# ---- one eager capture launch's host time -----------------------------------------------------
+
+def test_eager_launch_times_the_launch_its_checks_and_the_op_and_checks_the_rows():
+    import torch
+
+    from benchmarks import eager_launch
+
+    out = eager_launch.measure(tokens=96, width=40, segments=6, calls=5, rounds=2,
+                               device=torch.device("cpu"))
+    assert out["rows_right"]  # each request's last row reduced into its slot
+    assert not out["triton"]  # off CUDA: the torch reference
+    assert 0 < out["check_us"] <= out["launch_us"]
+    assert out["rest_us"] == round(out["launch_us"] - out["check_us"], 2)
+    assert out["op_us"] is not None and out["op_us"] > 0
+    from vllm_capture.kernels import ops
+    assert ops._handler is None  # the no-op handler is taken back
+    with pytest.raises(ValueError, match="--segments must divide --tokens"):
+        eager_launch.measure(tokens=96, width=40, segments=7, calls=1, rounds=1,
+                             device=torch.device("cpu"))
+
+
 # ---- the ablation's step by phase -----------------------------------------------------------
 
 class _Step:
