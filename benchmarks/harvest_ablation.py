@@ -390,7 +390,7 @@ def first_iterations_by_phase(reps: list[dict], idle: list[dict]) -> list[dict]:
     it) and the same rep's difference from idle (median; a phase one of the two did not run
     counts 0 there)."""
     out = []
-    for k in range(FIRST_ITERATIONS):
+    for k in range(max((len(r["first_iterations"]) for r in reps), default=0)):
         pairs = [(r["first_iterations"][k], i["first_iterations"][k]) for r, i in zip(reps, idle)
                  if len(r["first_iterations"]) > k and len(i["first_iterations"]) > k]
         if not pairs:
@@ -409,8 +409,8 @@ def print_first_iterations(summary: dict, cases: tuple[str, ...]) -> None:
     """Each first iteration by phase: idle's ms, then each case's difference from it."""
     for k, it in enumerate(summary[S.IDLE]["first_iterations"]):
         print(f"{f'iteration {k} (ms)':<20}{'idle':>9}" + "".join(f"{c[:18]:>20}" for c in cases[1:]))
-        names = list(dict.fromkeys(n for c in cases for its in [summary[c]["first_iterations"]]
-                                   if len(its) > k for n in its[k]["ms"]))
+        names = list(dict.fromkeys(n for c in cases if len(summary[c]["first_iterations"]) > k
+                                   for n in summary[c]["first_iterations"][k]["ms"]))
         for name in names:
             row = f"{name:<20}{it['ms'].get(name, 0.0):>9.3f}"
             for case in cases[1:]:
