@@ -11,11 +11,14 @@ outside graphs). This times, on the current device, host microseconds a call (me
   ``--segments`` requests over ``--tokens`` bf16 rows of ``--width`` with a residual;
 * ``check_us``: its layout checks alone (``_check``); ``rest_us`` is the difference, Triton's
   launcher on a GPU (the torch reference elsewhere);
+* ``jit_us``: the same kernel launched through Triton's JIT at every call, as before
+  ``launch_kernel`` bound the compiled kernel (on a GPU);
 * ``op_us``: ``torch.ops.vllm_capture.capture`` with a handler that returns at once: what the
   dispatcher adds to each site's call.
 
 ``rows_right`` says the timed launches did the work they stand for: each request's last row
-reduced into its accumulator slot. Prints one JSON line.
+reduced into its accumulator slot. ``keys_agree`` (on a GPU) says the bound launches pick the
+kernel the JIT would (see :func:`keys_agree`). Prints one JSON line.
 
     python3 benchmarks/eager_launch.py [--tokens 2048 --width 2048 --segments 64]
 """
@@ -89,11 +92,54 @@ def measure(tokens: int, width: int, segments: int, calls: int, rounds: int,
            "launch_us": _host_us(launch, device, calls, rounds),
            "check_us": _host_us(check, device, calls, rounds)}
     out["rest_us"] = round(out["launch_us"] - out["check_us"], 2)
+    if out["triton"] and hasattr(C, "launch_kernel"):
+        grid, args, constexprs = C.kernel_arguments(x, residual, ids, *buffers)
+        out["jit_us"] = _host_us(lambda: C.capture_site_kernel[grid](*args, **constexprs),
+                                 device, calls, rounds)
     out["op_us"] = _op_us(x, residual, site, device, calls, rounds)
     _sync(device)
     last = (x.float() + residual.float())[starts.long() + length - 1]
     out["rows_right"] = bool(torch.equal(acc.cpu(), last.cpu()))
+    if out["triton"] and hasattr(C, "launch_kernel"):
+        out["keys_agree"] = keys_agree(device)
     return out
+
+
+def keys_agree(device: torch.device) -> bool:
+    """Whether ``capture.bound_key`` tells launches apart exactly where Triton's JIT picks another
+    compiled kernel: from one launch, each argument the JIT may specialize on changed in turn
+    (dtypes, residual, token ids, column stride, a static buffer's alignment, views' offsets,
+    the token count), equal keys must mean the same kernel object and different keys different
+    ones. The site is disabled: the launches only count."""
+    W, T = 70, 16
+    meta, plan = L.new_plan_buffers(T, device)
+    site = L.new_site_buffer(device)
+    site[L.SITE_ENABLED] = 0
+    acc, acc_labels, acc_count = L.new_acc_buffers(4, W, device)
+    odd_acc = torch.zeros(5, W, device=device)[1:]  # 280 bytes in: not 16-byte aligned
+
+    def case(dtype=torch.bfloat16, x=None, residual=True, ids=torch.int32, a=acc):
+        x = torch.zeros(T, W, dtype=dtype, device=device) if x is None else x
+        ring, ring_labels = L.new_ring_buffers(T, W, dtype, device)
+        if ids is not None and not isinstance(ids, torch.Tensor):
+            ids = torch.zeros(T, dtype=ids, device=device)
+        return (x, x if residual else None, ids, meta, plan, site, ring, ring_labels, a,
+                acc_labels, acc_count)
+
+    bf16 = torch.bfloat16
+    cases = [case(), case(torch.float32), case(residual=False), case(ids=torch.int64),
+             case(ids=None), case(ids=torch.zeros(T + 1, dtype=torch.int32, device=device)[1:]),
+             case(a=odd_acc), case(x=torch.zeros(T + 1, W + 1, dtype=bf16, device=device)[1:, 1:]),
+             case(x=torch.zeros(W, T, dtype=bf16, device=device).t()),
+             case(x=torch.zeros(4 * T, W, dtype=bf16, device=device))]
+    kernels, keys = [], []
+    for c in cases:
+        grid, args, constexprs = C.kernel_arguments(*c)
+        keys.append(C.bound_key(args, constexprs, torch.cuda.current_device()))
+        kernels.append(C.capture_site_kernel[grid](*args, **constexprs))
+    _sync(device)
+    return all((keys[i] == keys[j]) == (kernels[i] is kernels[j])
+               for i in range(len(cases)) for j in range(i))
 
 
 def _op_us(x, residual, site, device, calls: int, rounds: int) -> float | None:

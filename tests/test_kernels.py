@@ -14,6 +14,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
 import importlib
+import inspect
 import re
 import sys
 
@@ -805,6 +806,66 @@ def test_compile_variants_compiles_what_the_engine_launches(monkeypatch):
                 assert w == a.dtype
             else:
                 assert type(w) is type(a) is int
+
+
+@needs_triton
+def test_bound_launch_passes_what_the_jit_passes():
+    """``launch_kernel`` calls a compiled kernel's launcher with every parameter in the kernel's
+    order, as Triton's JIT does: ``kernel_arguments``' run-time arguments, then
+    ``CONSTEXPR_PARAMS``; ``bound_key`` reads the aligned pointers and the sizes by position."""
+    capture = sys.modules["vllm_capture.kernels.capture"]
+    names = list(inspect.signature(capture.capture_site_kernel.fn).parameters)
+    g = torch.Generator().manual_seed(0)
+    b = make_bufs(g, cap=8, W=70, ring_rows=16, ring_dtype=torch.bfloat16, acc_slots=4)
+    x = make_x(g, 8, 70, torch.bfloat16, "contig")
+    _, args, constexprs = capture.kernel_arguments(x, x, make_ids(g, 8, torch.int32),
+                                                   *(b[k] for k in BUFS))
+    assert names[len(args):] == list(capture.CONSTEXPR_PARAMS)
+    assert sorted(set(constexprs) - {"num_warps"}) == sorted(capture.CONSTEXPR_PARAMS)
+    assert [names[i] for i in capture._INT_ARGS] == capture._SIZE_ARGS
+    assert all(type(args[i]) is int for i in capture._INT_ARGS)
+    pointers = names[:capture._INT_ARGS.start]
+    assert all(isinstance(a, torch.Tensor) for a in args[:len(pointers)])
+    assert [names[i] for i in capture._ALIGNED_ARGS] == [
+        n for n in pointers if n not in capture._UNALIGNED_ARGS]
+
+
+@needs_triton
+def test_bound_key_separates_what_triton_specializes_on():
+    """Launches that Triton compiles apart get different keys (dtypes, residual, a static buffer's
+    alignment); launches it does not tell apart share one (the token count, an activation view's
+    offset, no token ids); a size past int32 is never bound."""
+    capture = sys.modules["vllm_capture.kernels.capture"]
+    g = torch.Generator().manual_seed(0)
+    W = 5
+    b = make_bufs(g, cap=8, W=W, ring_rows=16, ring_dtype=torch.float32, acc_slots=4)
+    x = make_x(g, 8, W, torch.bfloat16, "contig")
+    ids = make_ids(g, 8, torch.int32)
+
+    def key(x=x, residual=None, ids=ids, **override):
+        bb = dict(b, **override)
+        _, args, constexprs = capture.kernel_arguments(x, residual, ids, *(bb[k] for k in BUFS))
+        return capture.bound_key(args, constexprs, 0)
+
+    base = key()
+    differ = {
+        "x dtype": key(x=x.to(torch.float16)),
+        "residual": key(residual=x),
+        "ids dtype": key(ids=ids.to(torch.int64)),
+        "ring dtype": key(ring=b["ring"].to(torch.float16)),
+        "ring alignment": key(ring=torch.zeros(17, W)[1:]),
+        "acc alignment": key(acc=torch.zeros(5, W)[1:]),
+    }
+    for what, k in differ.items():
+        assert k != base, what
+    assert key(x=make_x(g, 64, W, torch.bfloat16, "contig")) == base  # T is not specialized
+    assert key(x=torch.zeros(9, W, dtype=torch.bfloat16)[1:]) == base  # nor x's alignment
+    assert key(ids=None) == base  # an int32 stand-in, never read
+    _, args, constexprs = capture.kernel_arguments(x, None, ids, *(b[k] for k in BUFS))
+    stride = capture._INT_ARGS.start + capture._SIZE_ARGS.index("stride_xt")
+    wide = args[:stride] + (2**31,) + args[stride + 1:]
+    assert capture.bound_key(wide, constexprs, 0) is None
+    assert capture.bound_key(args, constexprs, 1) != capture.bound_key(args, constexprs, 0)
 
 
 def test_layout_constants():
