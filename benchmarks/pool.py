@@ -36,7 +36,6 @@ vanilla started first), so a figure over runs mostly of one order carries that o
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -173,9 +172,9 @@ def markdown(reports: list[dict], names: list[str]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", help="run folders (each with its results.json)")
+    p.add_argument("runs", nargs="+", help="run folders (each with its results.json[.gz])")
     args = p.parse_args()
-    reports = [json.loads((Path(r) / "results.json").read_text()) for r in args.runs]
+    reports = [R.load(r) for r in args.runs]
     suites = {(r["suite"], r["model"]) for r in reports}
     if len(suites) > 1:
         p.error(f"runs of different suites or models: {sorted(suites)}")

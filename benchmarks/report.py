@@ -9,6 +9,7 @@ A measurement is one timed generate (one rep) as the engine worker reports it::
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import statistics
@@ -900,6 +901,20 @@ def plot(report: dict, path: Path) -> bool:
 
 
 REPORT_FILES = ("results.json", "results.md", "tok_s_ratio.png", "engines.log")
+
+
+def load(run: Path | str) -> dict:
+    """A run's report: ``run`` is its folder or its JSON file. Committed folders hold the JSON
+    gzipped (``results.json.gz``: a run's per-rep records are most of a folder's bytes, and every
+    H200 call carries the tree); a fresh run's folder holds it plain."""
+    path = Path(run)
+    if path.is_dir():
+        plain = path / "results.json"
+        path = plain if plain.exists() else path / "results.json.gz"
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
 
 
 def write(report: dict, out_dir: Path) -> list[Path]:

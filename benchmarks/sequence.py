@@ -29,7 +29,6 @@ its own generates, +0.3% to the next.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -186,15 +185,13 @@ def _groups_text(groups: dict[str, list[float]]) -> str:
 
 
 def _measurements(run: str) -> list[dict]:
-    path = Path(run)
-    report = json.loads((path / "results.json" if path.is_dir() else path).read_text())
-    return report["measurements"]
+    return R.load(run)["measurements"]
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("runs", nargs="+",
-                   help="run folders (results.json inside) or results.json files")
+                   help="run folders (results.json[.gz] inside) or such files")
     p.add_argument("--workload", help="default: the first workload measured")
     p.add_argument("--by-predecessor", metavar="SCENARIO",
                    help="instead of the generates in order: SCENARIO's (e.g. idle) by what ran "

@@ -2,6 +2,7 @@
 the engine-free fetch benchmark's row check, the engine-free step-path benchmark, and the
 ablation's step timers by phase (across a fork, as in the engine core)."""
 
+import gzip
 import json
 import math
 import os
@@ -1495,6 +1496,21 @@ def test_write_report_files(tmp_path):
     assert "(-100)" in md  # KV cache tokens vs vanilla
     pytest.importorskip("matplotlib")
     assert (tmp_path / "tok_s_ratio.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_load_reads_a_run_folder_plain_gzipped_or_by_file(tmp_path):
+    """A fresh run's folder holds results.json; a committed one results.json.gz: both, and either
+    file named directly, load to the report written."""
+    rep = _report(_m("vanilla", 1000.0) + _m("idle", 995.0))
+    fresh, committed = tmp_path / "fresh", tmp_path / "committed"
+    R.write(rep, fresh)
+    committed.mkdir()
+    with gzip.open(committed / "results.json.gz", "wt") as f:
+        f.write((fresh / "results.json").read_text())
+    expected = json.loads((fresh / "results.json").read_text())
+    for where in (fresh, committed, fresh / "results.json", committed / "results.json.gz"):
+        assert R.load(where) == expected, where
+    assert R.load(committed)["table"]["decode-c64"]["idle"]["ratio"] == pytest.approx(0.995)
 
 
 def test_markdown_with_nothing_measured():
