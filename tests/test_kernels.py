@@ -868,6 +868,20 @@ def test_bound_key_separates_what_triton_specializes_on():
     assert capture.bound_key(args, constexprs, 1) != capture.bound_key(args, constexprs, 0)
 
 
+@needs_triton
+def test_launch_hooks_are_read_as_inductor_reads_them():
+    """A launch hook (a profiler's) must see every launch, so a hook keeps launches on the JIT:
+    an empty chain or None is no hook; a chain with a call, or a plain function, is one."""
+    import triton
+
+    capture = sys.modules["vllm_capture.kernels.capture"]
+    chain = triton.knobs.HookChain()
+    assert capture.hook_is_empty(None) and capture.hook_is_empty(chain)
+    chain.add(print)
+    assert not capture.hook_is_empty(chain)
+    assert not capture.hook_is_empty(print)
+
+
 def test_layout_constants():
     assert (L.META_MODE, L.META_COUNT, L.META_OFFSET, L.META_STEP, L.META_FIELDS) == (0, 1, 2, 3, 4)
     assert (L.MODE_OFF, L.MODE_ROWS, L.MODE_LAST, L.MODE_MEAN) == (0, 1, 2, 3)

@@ -354,6 +354,12 @@ def bound_key(args: tuple, constexprs: dict, device: int) -> tuple | None:
             tuple(constexprs.items()))
 
 
+def hook_is_empty(hook) -> bool:
+    """Whether a Triton launch-hook knob holds no hook: None, or a ``HookChain`` without calls
+    (Inductor's launchers read the knobs the same way)."""
+    return hook is None or (isinstance(hook, triton.knobs.HookChain) and not hook.calls)
+
+
 def launch_kernel(grid: tuple[int, int], args: tuple, constexprs: dict) -> None:
     """Launch ``capture_site_kernel``, dispatching through Triton's JIT once per specialization.
 
@@ -361,12 +367,13 @@ def launch_kernel(grid: tuple[int, int], args: tuple, constexprs: dict) -> None:
     parameters that was most of an eager launch's host time (session 35, under cProfile: 0.19 ms
     of a 0.31 ms launch, against 0.07 ms for vLLM's own smaller kernels). So a specialization's
     first launch goes through the JIT (compiling or loading), which returns the compiled kernel,
-    and later launches call that kernel's launcher directly with what the JIT would pass it. With a
-    launch hook installed (a profiler's), or off CUDA (the interpreter), every launch takes the JIT.
+    and later launches call that kernel's launcher directly with what the JIT would pass it, no
+    launch metadata and no hooks, as Inductor's own launchers do. With a launch hook installed (a
+    profiler's), or off CUDA (the interpreter), every launch takes the JIT.
     """
     rt = triton.knobs.runtime
     key = device = None
-    if args[0].is_cuda and not (rt.launch_enter_hook.calls or rt.launch_exit_hook.calls):
+    if args[0].is_cuda and hook_is_empty(rt.launch_enter_hook) and hook_is_empty(rt.launch_exit_hook):
         device = triton.runtime.driver.active.get_current_device()
         key = bound_key(args, constexprs, device)
     kernel = _bound_kernels.get(key) if key is not None else None
