@@ -105,12 +105,15 @@ case "$SET" in
     # --cases, e.g. idle,hidden-last,hidden-last-nohost,hidden-last-nonodes,hidden-last-bare: a
     # last-token capture without its host step path on steady decode, without its capture nodes
     # in the graphs launched (-nonodes; -nogpu keeps the nodes, their kernels exiting), and
-    # without both. BUDGET_S: seconds of reps, 420 by default, so that the summary and its table
+    # without both. SWITCH_INTERVAL: the processes' GIL switch interval in seconds (Python's
+    # 0.005 by default), for begin_step's waits on the GIL (session 36's README).
+    # BUDGET_S: seconds of reps, 420 by default, so that the summary and its table
     # of step phases get written. Where the host has hardware counters, "counted" lines give the
     # engine step's user-mode instructions and cycles. After the phase table, a generate's first
     # iterations by phase, each case's difference from idle's.)
     timeout 560 python3 benchmarks/harvest_ablation.py --model 1b --out "$OUT" \
-      --reps ${2:-16} --budget-s ${BUDGET_S:-420} ${CASES:+--cases $CASES} >"$OUT/ablation.log" 2>&1
+      --reps ${2:-16} --budget-s ${BUDGET_S:-420} ${CASES:+--cases $CASES} \
+      ${SWITCH_INTERVAL:+--switch-interval $SWITCH_INTERVAL} >"$OUT/ablation.log" 2>&1
     echo "ablation rc=$?"
     grep -E "^(idle|hidden)" "$OUT/ablation.log" | cut -c1-700
     sed -n '/^phase (ms\/step)/,$p' "$OUT/ablation.log" | grep -v "^counted"

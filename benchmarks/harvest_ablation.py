@@ -2,6 +2,7 @@
 """Where a row stream's step time goes: the step path, or the harvest thread's store beside it.
 
     python3 benchmarks/harvest_ablation.py --model 1b --out /tmp/out [--reps 8] [--in-process]
+        [--switch-interval 0.0005]
 
 One capture engine with CUDA graphs runs the quick suite's decode workload rep after rep, each
 rep going through these cases in turn (every other rep in reverse order):
@@ -442,7 +443,17 @@ def main() -> int:
                         "slowest rep so far taken as the next one's length)")
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"a comma list, idle first, of: {', '.join(KNOWN_CASES)}")
+    p.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                   help="sys.setswitchinterval for this process before the engine starts, so for "
+                        "the engine core forked from it too (Python's default: 0.005 s). A "
+                        "thread that gives up the GIL in a torch call may wait this long to get "
+                        "it back while another thread runs: a shorter interval shows whether "
+                        "capture's begin_step waits so for the engine core's input thread")
     args = p.parse_args()
+    if args.switch_interval is not None:
+        if args.switch_interval <= 0:
+            p.error(f"--switch-interval: must be > 0 seconds, got {args.switch_interval}")
+        sys.setswitchinterval(args.switch_interval)
     cases = tuple(args.cases.split(","))
     if cases[0] != S.IDLE or not set(cases) <= set(KNOWN_CASES):
         p.error(f"--cases: idle first, then any of {', '.join(KNOWN_CASES)}; got {args.cases!r}")
@@ -583,6 +594,7 @@ def main() -> int:
         print(case, json.dumps(summary[case]), flush=True)
     summary["cpus"] = cpus
     summary["reps"] = len(runs[S.IDLE])
+    summary["switch_interval_s"] = sys.getswitchinterval()
     print_phase_table(summary, cases)
     print_first_iterations(summary, cases)
     for case in cases:

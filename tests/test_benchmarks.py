@@ -1587,6 +1587,20 @@ def test_step_host_times_the_step_path_and_counts_plan_copies():
 
 # ---- one eager capture launch's host time -----------------------------------------------------
 
+def test_ablation_rejects_a_switch_interval_that_python_would_not_take(monkeypatch, capsys):
+    """--switch-interval is checked before any engine starts, naming the option."""
+    from benchmarks import harvest_ablation
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(sys, "argv", ["harvest_ablation.py", "--out", "/nonexistent",
+                                      "--switch-interval", "0"])
+    with pytest.raises(SystemExit) as exc:
+        harvest_ablation.main()
+    assert exc.value.code == 2
+    assert "--switch-interval: must be > 0 seconds, got 0.0" in capsys.readouterr().err
+    assert sys.getswitchinterval() == before
+
+
 def test_eager_launch_times_the_launch_its_checks_and_the_op_and_checks_the_rows():
     import torch
 
