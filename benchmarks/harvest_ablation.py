@@ -21,7 +21,9 @@ the host has 8 or more. ``--in-process`` runs it in this process instead
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``profile_step.py``): no engine-core threads and no
 client process beside it, which on the H200 (session 17) hid most of what hidden-4l costs.
 
-Each case's generates are timed and paired with ``idle``'s of the same rep (geometric mean of
+Each case's stream starts before its generate, as ``run.py`` starts it, outside the timed
+generate and its first iterations (the start's RPC apart, as ``start_ms``). Each case's
+generates are timed and paired with ``idle``'s of the same rep (geometric mean of
 the ratios, 95% interval), with the capture's host timers per step, the engine core's main
 thread's milliseconds a step on a CPU and blocked (``main_on_cpu_ms``, ``main_blocked_ms``: the
 1B's step is that thread's, and vLLM's wait for a step's output sleeps), and their median tok/s by
@@ -499,8 +501,16 @@ def main() -> int:
             (flags / switch).touch()
         idle_status, phases_before = status(), phases.read()
         before = idle_status["host_timers"]
+        # The stream starts before the generate's first iteration is read: the start is an RPC
+        # that the engine core serves in its input queue, and run.py does not time it either
+        # (session 37: it had read as +3.7 ms of input before iteration 0).
+        start_ms = None
+        if cap is not None:
+            t = time.perf_counter()
+            api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
+            start_ms = (time.perf_counter() - t) * 1e3
         phases.new_generate()
-        gen_s, threads = capture_and_generate(llm, cap, shape, w, params, prompts, engine_pids)
+        gen_s, threads = capture_and_generate(llm, None, shape, w, params, prompts, engine_pids)
         first = phases.first_iterations()
         fetch_s = None
         if cap is not None:
@@ -532,6 +542,7 @@ def main() -> int:
                              f"patch did not reach the engine")
         main = engine_main_thread(threads)
         return {"gen_s": gen_s, "generated_tokens": w.generated_tokens, "fetch_s": fetch_s,
+                "start_ms": start_ms,
                 "timers": {k: after[k] - before[k] for k in after},
                 "phases": PhaseTimers.spent(phases_before, phases_after),
                 "first_iterations": first,
@@ -568,6 +579,7 @@ def main() -> int:
             if repeats else None)
         logs = [math.log(runs[S.IDLE][i]["gen_s"] / r["gen_s"]) for i, r in enumerate(reps)]
         fetches = [r["fetch_s"] for r in reps if r["fetch_s"] is not None]
+        starts = [r["start_ms"] for r in reps if r["start_ms"] is not None]
         # ms a step by phase, and the same rep's difference from idle (medians over reps).
         phase_ms = {name: [r["phases"].get(name, {"ms": 0.0})["ms"] / w.new_tokens for r in reps]
                     for name in phases.names if any(name in r["phases"] for r in reps)}
@@ -580,6 +592,8 @@ def main() -> int:
                             R.median_tok_s_by(reps, lambda r: r["after"]).items()},
             "vs_idle": R.geometric_mean_interval(logs),
             "fetch_s": round(statistics.median(fetches), 4) if fetches else None,
+            # start_capture's RPC, outside the generate (as run.py times it)
+            "start_ms": round(statistics.median(starts), 3) if starts else None,
             "host_ms_per_step": per_step,
             "phase_ms_per_step": {name: round(statistics.median(v), 4) for name, v in phase_ms.items()},
             "phase_ms_per_step_vs_idle": {
