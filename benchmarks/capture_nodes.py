@@ -18,7 +18,13 @@ programmatic dependent launch (the kernel's launch overlapping the end of the st
 saved on a last-token kernel, 0.14-0.16 us lost on the others; not kept
 (``benchmarks/results/2026-12-01-h200-session11/README.md``).
 
-    python3 benchmarks/capture_nodes.py [--tokens 64] [--width 4096] [--layers 32]
+``--forked`` measures instead the shipped tile's last-token kernel between stand-in layers that
+do other work (a matmul) before the activation is written again, launched on the graph's stream
+(as the op does) and forked onto a second stream, joined before the next write: whether the
+kernel boundary, most of a last-token kernel's cost, leaves the replay when the kernel runs
+beside other work (session 37's README).
+
+    python3 benchmarks/capture_nodes.py [--tokens 64] [--width 4096] [--layers 32] [--forked]
 """
 
 from __future__ import annotations
@@ -114,13 +120,91 @@ def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, wa
     return out
 
 
+def measure_forked(tokens: int, width: int, layers: int, replays: int) -> dict:
+    """The shipped tile's ``last`` kernel on the graph's critical path, and forked off it.
+
+    Each stand-in layer writes the activation (``x.neg_()``), then runs work that leaves ``x``
+    and ``residual`` alone (a [T, W] x [W, W] matmul, standing in for the next layer's attention),
+    before the next layer writes ``x`` again. ``serial`` launches the capture kernel on the
+    graph's stream right after the write, as the op does today; ``forked`` launches it on a
+    second stream that waits for the write, and the graph's stream waits for it before the next
+    write: in the graph, a branch beside the matmul. The difference per kernel over ``none`` is
+    what each costs the replay.
+    """
+    dev = torch.device("cuda")
+    x = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
+    residual = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
+    ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
+    weight = torch.randn(width, width, dtype=torch.bfloat16, device=dev) / width ** 0.5
+    other = torch.empty(tokens, width, dtype=torch.bfloat16, device=dev)
+    meta, plan = L.new_plan_buffers(tokens, dev)
+    ring, ring_labels = L.new_ring_buffers(tokens, width, torch.bfloat16, dev)
+    acc, acc_labels, acc_count = L.new_acc_buffers(tokens, width, dev)
+    sites = [L.new_site_buffer(dev) for _ in range(layers)]
+    rows = torch.arange(tokens, dtype=torch.int32, device=dev)
+    meta[L.META_MODE], meta[L.META_COUNT] = L.MODE_LAST, tokens
+    plan[L.PLAN_SEG_START], plan[L.PLAN_SEG_COUNT] = rows, 1
+    plan[L.PLAN_SEG_SLOT], plan[L.PLAN_SEG_REQ] = rows, 0
+    for site in sites:
+        site[L.SITE_ENABLED] = 1
+    side = torch.cuda.Stream(dev)
+
+    def capture(site):
+        C.launch_capture(x, residual, ids, meta, plan, site, ring, ring_labels, acc, acc_labels,
+                         acc_count)
+
+    def none():
+        for _ in sites:
+            x.neg_()
+            torch.mm(x, weight, out=other)
+
+    def serial():
+        for site in sites:
+            x.neg_()
+            capture(site)
+            torch.mm(x, weight, out=other)
+
+    def forked():
+        main = torch.cuda.current_stream(dev)
+        for site in sites:
+            x.neg_()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                capture(site)
+            torch.mm(x, weight, out=other)
+            main.wait_stream(side)
+
+    base = _graph_us(none, replays)
+    out = {"mode": "forked", "block_w": C.BLOCK_W, "num_warps": C.NUM_WARPS,
+           "spec_rows": C.SPEC_ROWS, "tokens": tokens, "width": width, "layers": layers,
+           "none_us": round(base, 2)}
+    # Every run leaves x as it found it (`layers` is even), and the last site reduces x as its
+    # layer wrote it: a read that overtook that write, or came after the next, has the other sign.
+    want = x.float() + residual.float()
+    for name, launch in (("serial", serial), ("forked", forked)):
+        out[f"{name}_us_per_kernel"] = round((_graph_us(launch, replays) - base) / layers, 3)
+        acc.zero_()
+        _graph_us(launch, 1)
+        out[f"{name}_right"] = bool(torch.equal(acc, want))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--layers", type=int, default=32, help="an even number")
     p.add_argument("--replays", type=int, default=500)
+    p.add_argument("--forked", action="store_true",
+                   help="only the shipped tile's last-token kernel, on the critical path and "
+                        "forked onto a second stream beside other work (measure_forked)")
     args = p.parse_args()
+    if args.layers % 2:
+        p.error("--layers must be even")
+    if args.forked:
+        print(json.dumps(measure_forked(args.tokens, args.width, args.layers, args.replays)),
+              flush=True)
+        return 0
     for block_w, warps, spec_rows in CONFIGS:
         try:
             out = measure(args.tokens, args.width, args.layers, args.replays, block_w, warps,

@@ -237,7 +237,8 @@ PY
   nodes)
     # What one capture kernel adds to a CUDA graph per launch configuration (no engine, seconds):
     # a decode batch of 64, and 256 (the most tokens whose rows load alongside the plan).
-    # NODES_ARGS adds capture_nodes.py options, e.g. "--width 2048 --layers 16" for the 1B's shape.
+    # NODES_ARGS adds capture_nodes.py options, e.g. "--width 2048 --layers 16" for the 1B's shape,
+    # and "--forked" for the last-token kernel on the critical path and forked beside a matmul.
     for t in 64 256; do
       timeout 150 python3 benchmarks/capture_nodes.py --tokens $t ${NODES_ARGS:-} 2>&1 | tee -a "$OUT/capture_nodes.log" | grep -E "^\{"
     done
