@@ -226,7 +226,7 @@ class Alternation:
         def alternating_begin_step(session, step):
             shape = (len(step.req_ids), step.num_rows_padded)
             repeated_shape, alt.last_shape = shape == alt.last_shape, shape
-            streams = session._active_streams()
+            streams = session._active_streams
             if (alt.log.generate >= 0 and not alt.host_on and repeated_shape and streams
                     and all(st.repeat is not None and st.config.reduce != "all" for st in streams)):
                 for st in streams:

@@ -615,6 +615,9 @@ def test_decode_repeat_requires_one_planned_row_per_request():
     assert tracks["a"].next_position == 6 and tracks["b"].next_position == 9
     assert repeat.last_positions().tolist() == [5, 8]
     assert repeat.advance(StepBuffers(["a", "b"], qsl, np.array([6, 9], np.int32), 1)) is None
+    # Start offsets in a dtype other than the first repeat's: planned (the same plan), not repeated.
+    assert repeat.advance(StepBuffers(["a", "b"], qsl.astype(np.int64), np.array([6, 9], np.int32),
+                                      2)) is None
     assert repeat.advance(StepBuffers(["a", "b"], qsl, np.array([6, 9], np.int64), 2)) is not None
     # Not repeatable: a cut plan, a two-row request, an untracked request, a clause.
     assert DecodeRepeat.after(geo, tracks, plan_rows(geo, tracks, row_limit=1)) is None

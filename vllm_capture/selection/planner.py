@@ -367,7 +367,9 @@ class DecodeRepeat:
     # Each request's position in the next repeat; it takes the dtype of the runner's buffer, so
     # that a repeat compares bytes.
     next_computed: np.ndarray
-    _one_row_each: np.ndarray | None = None  # the query_start_loc of a repeat
+    # The bytes of a repeat's query_start_loc, in the dtype of the runner's buffer (one of
+    # another dtype never compares equal, so that step is planned).
+    _one_row_each: bytes | None = None
 
     @classmethod
     def after(cls, geometry: BatchGeometry, tracks: dict[str, RequestTrack],
@@ -403,10 +405,10 @@ class DecodeRepeat:
         if expect.dtype != computed.dtype:
             expect = self.next_computed = expect.astype(computed.dtype)
         one_row_each = self._one_row_each
-        if one_row_each is None or one_row_each.dtype != qsl.dtype:
-            one_row_each = self._one_row_each = np.arange(n + 1, dtype=qsl.dtype)
+        if one_row_each is None:
+            one_row_each = self._one_row_each = np.arange(n + 1, dtype=qsl.dtype).tobytes()
         # Byte compares: a tenth of np.array_equal's time, and this runs on every decode step.
-        if computed.tobytes() != expect.tobytes() or qsl.tobytes() != one_row_each.tobytes():
+        if computed.tobytes() != expect.tobytes() or qsl.tobytes() != one_row_each:
             return None
         np.add(expect, 1, out=expect)
         return computed
