@@ -68,39 +68,57 @@ def _graph_us(launch, replays: int) -> float:
     return best
 
 
-def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int,
-            spec_rows: int) -> dict:
-    C.BLOCK_W, C.NUM_WARPS, C.SPEC_ROWS = block_w, warps, spec_rows
-    dev = torch.device("cuda")
-    x = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
-    residual = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
-    ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
-    meta, plan = L.new_plan_buffers(tokens, dev)
-    ring, ring_labels = L.new_ring_buffers(tokens, width, torch.bfloat16, dev)
-    acc, acc_labels, acc_count = L.new_acc_buffers(tokens, width, dev)
-    sites = [L.new_site_buffer(dev) for _ in range(layers)]
-    rows = torch.arange(tokens, dtype=torch.int32, device=dev)
+class StandIn:
+    """A [T, W] bf16 activation with its residual, and ``layers`` capture sites over one plan,
+    ring and accumulator: every row is its own request (row ``i`` reduces into slot ``i``)."""
 
-    def set_mode(mode: int, enabled: int) -> None:
-        for site in sites:
+    def __init__(self, tokens: int, width: int, layers: int):
+        dev = torch.device("cuda")
+        self.tokens = tokens
+        self.x = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
+        self.residual = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
+        self.ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
+        self.meta, self.plan = L.new_plan_buffers(tokens, dev)
+        self.ring, self.ring_labels = L.new_ring_buffers(tokens, width, torch.bfloat16, dev)
+        self.acc, self.acc_labels, self.acc_count = L.new_acc_buffers(tokens, width, dev)
+        self.sites = [L.new_site_buffer(dev) for _ in range(layers)]
+        self.rows = torch.arange(tokens, dtype=torch.int32, device=dev)
+
+    def set_mode(self, mode: int, enabled: int) -> None:
+        for site in self.sites:
             site[L.SITE_ENABLED] = enabled
+        meta, plan, rows = self.meta, self.plan, self.rows
         meta.zero_()
-        meta[L.META_MODE], meta[L.META_COUNT] = mode, tokens
+        meta[L.META_MODE], meta[L.META_COUNT] = mode, self.tokens
         if mode == L.MODE_ROWS:
             plan[L.PLAN_ROW], plan[L.PLAN_REQ], plan[L.PLAN_POS] = rows, 0, rows
         else:
             plan[L.PLAN_SEG_START], plan[L.PLAN_SEG_COUNT] = rows, 1
             plan[L.PLAN_SEG_SLOT], plan[L.PLAN_SEG_REQ] = rows, 0
 
+    def capture(self, site: torch.Tensor) -> None:
+        C.launch_capture(self.x, self.residual, self.ids, self.meta, self.plan, site, self.ring,
+                         self.ring_labels, self.acc, self.acc_labels, self.acc_count)
+
+    def want(self) -> torch.Tensor:
+        """A row as a capture reads it: the activation plus its residual, in fp32."""
+        return self.x.float() + self.residual.float()
+
+
+def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, warps: int,
+            spec_rows: int) -> dict:
+    C.BLOCK_W, C.NUM_WARPS, C.SPEC_ROWS = block_w, warps, spec_rows
+    bench = StandIn(tokens, width, layers)
+    x = bench.x
+
     def layers_only():
         for _ in range(layers):
             x.neg_()
 
     def with_capture():
-        for site in sites:
+        for site in bench.sites:
             x.neg_()
-            C.launch_capture(x, residual, ids, meta, plan, site, ring, ring_labels,
-                             acc, acc_labels, acc_count)
+            bench.capture(site)
 
     base = _graph_us(layers_only, replays)
     out = {"block_w": block_w, "num_warps": warps, "spec_rows": spec_rows, "tokens": tokens,
@@ -108,15 +126,15 @@ def measure(tokens: int, width: int, layers: int, replays: int, block_w: int, wa
            "none_us": round(base, 2)}
     for name, mode, enabled in (("exiting", L.MODE_OFF, 0), ("last", L.MODE_LAST, 1),
                                 ("rows", L.MODE_ROWS, 1)):
-        set_mode(mode, enabled)
+        bench.set_mode(mode, enabled)
         out[f"{name}_us_per_kernel"] = round((_graph_us(with_capture, replays) - base) / layers, 3)
     # The last site read the activation as its stand-in left it (a read that overtook the stand-in
     # would see the other sign; `layers` is even).
-    want = x.float() + residual.float()
-    out["rows_right"] = bool(torch.equal(ring, want.to(ring.dtype)))
-    set_mode(L.MODE_LAST, 1)
+    want = bench.want()
+    out["rows_right"] = bool(torch.equal(bench.ring, want.to(bench.ring.dtype)))
+    bench.set_mode(L.MODE_LAST, 1)
     _graph_us(with_capture, 1)
-    out["last_right"] = bool(torch.equal(acc, want))
+    out["last_right"] = bool(torch.equal(bench.acc, want))
     return out
 
 
@@ -131,27 +149,12 @@ def measure_forked(tokens: int, width: int, layers: int, replays: int) -> dict:
     write: in the graph, a branch beside the matmul. The difference per kernel over ``none`` is
     what each costs the replay.
     """
-    dev = torch.device("cuda")
-    x = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
-    residual = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
-    ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
+    bench = StandIn(tokens, width, layers)
+    bench.set_mode(L.MODE_LAST, 1)
+    x, sites, dev = bench.x, bench.sites, bench.x.device
     weight = torch.randn(width, width, dtype=torch.bfloat16, device=dev) / width ** 0.5
     other = torch.empty(tokens, width, dtype=torch.bfloat16, device=dev)
-    meta, plan = L.new_plan_buffers(tokens, dev)
-    ring, ring_labels = L.new_ring_buffers(tokens, width, torch.bfloat16, dev)
-    acc, acc_labels, acc_count = L.new_acc_buffers(tokens, width, dev)
-    sites = [L.new_site_buffer(dev) for _ in range(layers)]
-    rows = torch.arange(tokens, dtype=torch.int32, device=dev)
-    meta[L.META_MODE], meta[L.META_COUNT] = L.MODE_LAST, tokens
-    plan[L.PLAN_SEG_START], plan[L.PLAN_SEG_COUNT] = rows, 1
-    plan[L.PLAN_SEG_SLOT], plan[L.PLAN_SEG_REQ] = rows, 0
-    for site in sites:
-        site[L.SITE_ENABLED] = 1
     side = torch.cuda.Stream(dev)
-
-    def capture(site):
-        C.launch_capture(x, residual, ids, meta, plan, site, ring, ring_labels, acc, acc_labels,
-                         acc_count)
 
     def none():
         for _ in sites:
@@ -161,7 +164,7 @@ def measure_forked(tokens: int, width: int, layers: int, replays: int) -> dict:
     def serial():
         for site in sites:
             x.neg_()
-            capture(site)
+            bench.capture(site)
             torch.mm(x, weight, out=other)
 
     def forked():
@@ -170,7 +173,7 @@ def measure_forked(tokens: int, width: int, layers: int, replays: int) -> dict:
             x.neg_()
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                capture(site)
+                bench.capture(site)
             torch.mm(x, weight, out=other)
             main.wait_stream(side)
 
@@ -180,12 +183,12 @@ def measure_forked(tokens: int, width: int, layers: int, replays: int) -> dict:
            "none_us": round(base, 2)}
     # Every run leaves x as it found it (`layers` is even), and the last site reduces x as its
     # layer wrote it: a read that overtook that write, or came after the next, has the other sign.
-    want = x.float() + residual.float()
+    want = bench.want()
     for name, launch in (("serial", serial), ("forked", forked)):
         out[f"{name}_us_per_kernel"] = round((_graph_us(launch, replays) - base) / layers, 3)
-        acc.zero_()
+        bench.acc.zero_()
         _graph_us(launch, 1)
-        out[f"{name}_right"] = bool(torch.equal(acc, want))
+        out[f"{name}_right"] = bool(torch.equal(bench.acc, want))
     return out
 
 
