@@ -270,7 +270,9 @@ class PhaseTimers:
     the engine core forked from this process adds to the same pages this one reads. The phases in
     ``counted`` also add the user-mode instructions and cycles their thread ran (``ThreadCounters``;
     -1 where the host has no hardware counters); a read is a system call, so only the step's
-    outermost phase is counted by default."""
+    outermost phase is counted by default. A call's seconds count from the last ``new_generate``
+    on: the engine core's wait for a generate's first request, and the RPCs it serves meanwhile,
+    are not the generate's."""
 
     def __init__(self, phases=PHASES, counted=("iteration",), first: int = FIRST_ITERATIONS):
         import importlib
@@ -281,13 +283,14 @@ class PhaseTimers:
         self.names = list(dict.fromkeys(name for *_, name in phases))
         self.first = first
         n = len(self.names)
-        self._map = mmap.mmap(-1, 32 * n + 8 * (1 + first * n))
+        self._map = mmap.mmap(-1, 32 * n + 8 * (2 + first * n))
         self._totals = np.frombuffer(self._map, dtype=np.float64, count=4 * n).reshape(n, 4)
         # The generate's iteration the engine is in (set to 0 by ``new_generate``, advanced as
-        # each iteration ends), then seconds by phase of its first ``first`` iterations.
-        self._at = np.frombuffer(self._map, dtype=np.float64, count=1, offset=32 * n)
+        # each iteration ends) and when the generate began (``time.perf_counter``, one clock for
+        # every process of the host), then seconds by phase of its first ``first`` iterations.
+        self._at = np.frombuffer(self._map, dtype=np.float64, count=2, offset=32 * n)
         self._first = np.frombuffer(self._map, dtype=np.float64, count=first * n,
-                                    offset=32 * n + 8).reshape(first, n)
+                                    offset=32 * n + 16).reshape(first, n)
         # An iteration ends where the outermost of these ends: "iteration" holds "step", and an
         # engine in this process (--in-process) has no EngineCoreProc, so "step" alone.
         self._iteration_phases = {self.names.index(n) for n in ("iteration", "step")
@@ -316,7 +319,11 @@ class PhaseTimers:
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent = clock() - t0
+                end = clock()
+                # Only the part after the generate began: the engine core waits for work in one
+                # call of its input loop, serving the RPCs that come first (a stream's start,
+                # the last generate's fetch) until the generate's first request arrives.
+                spent = min(end - t0, max(0.0, end - at[1]))
                 total[0] += spent
                 total[1] += 1
                 k = int(at[0])
@@ -347,7 +354,7 @@ class PhaseTimers:
     def new_generate(self) -> None:
         """Start reading the first iterations anew: the engine's next iteration is number 0."""
         self._first[:] = 0.0
-        self._at[0] = 0.0
+        self._at[:] = (0.0, time.perf_counter())
 
     def first_iterations(self) -> list[dict[str, float]]:
         """ms by phase of each of the first iterations since ``new_generate`` (those the engine
@@ -499,16 +506,19 @@ def main() -> int:
         drop, no_rows = "drop" in on, "nogpu" in on
         for switch in on:
             (flags / switch).touch()
-        idle_status, phases_before = status(), phases.read()
+        idle_status = status()
         before = idle_status["host_timers"]
-        # The stream starts before the generate's first iteration is read: the start is an RPC
-        # that the engine core serves in its input queue, and run.py does not time it either
-        # (session 37: it had read as +3.7 ms of input before iteration 0).
+        # The stream starts before the generate begins, as run.py starts it outside the timed
+        # generate. The engine core serves that RPC while it waits for work, in a call of its
+        # input loop that ends with the generate's first request; the phase timers count such
+        # a call from new_generate on (session 37: with the start and the last generate's fetch
+        # in it, iteration 0's input read +3.7 ms, and every step's average +0.015 ms).
         start_ms = None
         if cap is not None:
             t = time.perf_counter()
             api.start_capture(llm, cap.stream, layers=cap.layer_ids(shape), reduce=cap.reduce)
             start_ms = (time.perf_counter() - t) * 1e3
+        phases_before = phases.read()
         phases.new_generate()
         gen_s, threads = capture_and_generate(llm, None, shape, w, params, prompts, engine_pids)
         first = phases.first_iterations()

@@ -1642,6 +1642,12 @@ class _Step:
     def nap(self):
         time.sleep(0.002)
 
+    def wait_for_work(self, generate_begins):
+        """The engine core's input loop: waiting (and serving RPCs) when a generate begins."""
+        time.sleep(0.05)
+        generate_begins()
+        time.sleep(0.002)
+
 
 def test_phase_timers_count_every_call_in_the_forked_engine_and_add_same_named_methods():
     from benchmarks.harvest_ablation import PhaseTimers
@@ -1703,6 +1709,23 @@ def test_phase_timers_time_each_of_a_generates_first_iterations_apart():
     _Step().step()
     _Step().step()
     assert [set(it) for it in timers.first_iterations()] == [{"step"}, {"step"}]
+
+
+def test_phase_timers_count_a_call_from_the_generates_start():
+    """The engine core waits for a generate's first request in one call of its input loop (and
+    serves the RPCs that come first in it, such as a stream's start): only the part after the
+    generate began is the generate's, in its first iteration and in the totals."""
+    from benchmarks.harvest_ablation import PhaseTimers
+
+    here = __name__
+    timers = PhaseTimers(((here, "_Step", "wait_for_work", "input"),
+                          (here, "_Step", "step", "step")), first=2)
+    before = timers.read()
+    _Step().wait_for_work(timers.new_generate)  # 50 ms before the generate, 2 ms in it
+    _Step().step()
+    first = timers.first_iterations()
+    assert 2.0 <= first[0]["input"] < 40.0
+    assert 2.0 <= timers.spent(before, timers.read())["input"]["ms"] < 40.0
 
 
 def test_first_iterations_by_phase_pairs_each_rep_with_idles_and_prints_them(capsys):
