@@ -230,7 +230,7 @@ class Alternation:
             if (alt.log.generate >= 0 and not alt.host_on and repeated_shape and streams
                     and all(st.repeat is not None and st.config.reduce != "all" for st in streams)):
                 for st in streams:
-                    st.repeat.next_computed += 1  # what the repeat's advance does
+                    st.repeat.move_on()
                 alt.step_kind = SKIPPED
                 return
             repeats = session._repeat_steps

@@ -596,6 +596,28 @@ def test_decode_repeats_plan_what_full_planning_plans(seed):
     assert repeats > 0
 
 
+def test_decode_repeat_follows_long_decode_past_its_look_ahead():
+    """A repeat runs on for several of its look-ahead spans in the runner's int32 buffers: each
+    step is recognised, a skipped or repeated position anywhere is not, and the tracks settle
+    where the last repeat left them."""
+    tracks = {"a": RequestTrack(req_index=0, prompt_len=2), "b": RequestTrack(req_index=1, prompt_len=2)}
+    geo = geometry({"a": 1, "b": 1}, num_computed=[4, 70])
+    repeat = DecodeRepeat.after(geo, tracks, plan_rows(geo, tracks, row_limit=8))
+    qsl = np.array([0, 1, 2, 2], np.int32)
+    steps = 3 * DecodeRepeat.AHEAD + 5
+    for k in range(1, steps + 1):
+        computed = np.array([4 + k, 70 + k, 0], np.int32)
+        if k in (DecodeRepeat.AHEAD - 1, DecodeRepeat.AHEAD, 2 * DecodeRepeat.AHEAD):
+            for wrong in ([4 + k + 1, 70 + k], [4 + k, 70 + k - 1], [4 + k - 1, 70 + k - 1]):
+                assert repeat.advance(StepBuffers(["a", "b"], qsl, np.array(wrong, np.int32),
+                                                  2)) is None
+        got = repeat.advance(StepBuffers(["a", "b"], qsl, computed, 2))
+        assert got is not None and got.tolist() == [4 + k, 70 + k], k
+    assert repeat.last_positions().tolist() == [4 + steps, 70 + steps]
+    repeat.settle()
+    assert tracks["a"].next_position == 5 + steps and tracks["b"].next_position == 71 + steps
+
+
 def test_decode_repeat_requires_one_planned_row_per_request():
     tracks = {"a": RequestTrack(req_index=0, prompt_len=2), "b": RequestTrack(req_index=1, prompt_len=2)}
     geo = geometry({"a": 1, "b": 1}, num_computed=[4, 7])
