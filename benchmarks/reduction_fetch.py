@@ -44,7 +44,8 @@ from vllm_capture.session import shm  # noqa: E402
 from vllm_capture.session.session import CaptureSession  # noqa: E402
 
 HS = "hidden_states"
-WORKER_STAGES = ("fetch_store", "fetch_serialize", "fetch_write")
+WORKER_STAGES = ("fetch_finalize", "fetch_drain", "fetch_wait", "fetch_store", "fetch_serialize",
+                 "fetch_write")
 WRITE_TIMERS = ("fetch_write_copy", "fetch_write_release", "fetch_write_release_cpu")
 
 
