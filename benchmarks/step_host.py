@@ -12,7 +12,17 @@ host (session 15), before steady decode skipped the geometry: 48 us of geometry 
 ``begin_step`` a step at 64 requests inside vLLM, against 13 and 20 us here; after: 31-39 us of
 begin + end inside vLLM, 5 us here.
 
+Part of that difference is the caches. ``--evict-mb`` reads a buffer larger than the last-level
+cache before each step (outside the timing), so that the step's data comes from memory, as
+after vLLM's work between two steps. On the CPU VM (32 MiB L3, session 38), a repeated
+last-token step: 1.95 us hot and 4.4 us with 64 MiB read before e64ebd8, 1.37 and 3.3 after
+(three alternated runs each, within 0.1 us). Earlier runs that session read 10-37 us with
+32-128 MiB, as the VM's memory was slower then; the CPU engine's timers read 10-14 us before
+e64ebd8 (``harvest_ablation.py --model tiny --in-process``). So compare variants in alternated
+runs.
+
     python3 benchmarks/step_host.py [--layers 16 --requests 64 --steps 2000 --device cuda]
+                                    [--evict-mb 64]
 
 Prints one JSON line: microseconds per decode step (median and 90th percentile) for
 begin + end, the plan copies the decode steps made (one: the first decode step's; steady decode
@@ -45,7 +55,7 @@ PROMPT = 32
 
 
 def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
-            device: torch.device) -> dict:
+            device: torch.device, evict_mb: int = 0) -> dict:
     capacity = requests * PROMPT
     state = CaptureGraphState(device=device, capacity=capacity, acc_slots=requests)
     for layer in range(layers):
@@ -65,9 +75,11 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
     decode = np.concatenate([np.arange(requests + 1, dtype=np.int32), spare])
     computed = np.zeros(requests + 8, dtype=np.int32)
     step_us = []
+    evicting = np.zeros(evict_mb << 17)  # float64: 2**17 of them make a MiB
 
     def step(query_start_loc, position: int, rows: int) -> None:
         computed[:] = position
+        evicting.sum()  # read, not written: no dirty lines for the step to write back
         t0 = time.perf_counter()
         session.begin_step(StepBuffers(req_ids, query_start_loc, computed, rows))
         session.end_step()
@@ -81,7 +93,7 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"device": device.type, "layers": layers, "requests": requests, "reduce": reduce,
-            "steps": steps, "begin_end_us": round(statistics.median(step_us), 2),
+            "steps": steps, "evict_mb": evict_mb, "begin_end_us": round(statistics.median(step_us), 2),
             "begin_end_us_p90": round(float(np.percentile(step_us, 90)), 2),
             "plan_uploads": state.plan_uploads - uploads, "plan_steps": state.plan_steps - moved}
 
@@ -94,9 +106,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--reduce", default="last", choices=("last", "mean", "all"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--evict-mb", type=int, default=0,
+                   help="before each step, read this many MiB (more than the last-level cache), "
+                        "as vLLM's work between two steps moves the step's code and data out of "
+                        "the caches")
     args = p.parse_args()
     print(json.dumps(measure(args.layers, args.width, args.requests, args.steps, args.reduce,
-                             torch.device(args.device))))
+                             torch.device(args.device), args.evict_mb)))
     return 0
 
 
