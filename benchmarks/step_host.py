@@ -93,7 +93,8 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"device": device.type, "layers": layers, "requests": requests, "reduce": reduce,
-            "steps": steps, "evict_mb": evict_mb, "begin_end_us": round(statistics.median(step_us), 2),
+            "steps": steps, "evict_mb": evict_mb,
+            "begin_end_us": round(statistics.median(step_us), 2),
             "begin_end_us_p90": round(float(np.percentile(step_us, 90)), 2),
             "plan_uploads": state.plan_uploads - uploads, "plan_steps": state.plan_steps - moved}
 

@@ -600,7 +600,8 @@ def test_decode_repeat_follows_long_decode_past_its_look_ahead():
     """A repeat runs on for several of its look-ahead spans in the runner's int32 buffers: each
     step is recognised, a skipped or repeated position anywhere is not, and the tracks settle
     where the last repeat left them."""
-    tracks = {"a": RequestTrack(req_index=0, prompt_len=2), "b": RequestTrack(req_index=1, prompt_len=2)}
+    tracks = {"a": RequestTrack(req_index=0, prompt_len=2),
+              "b": RequestTrack(req_index=1, prompt_len=2)}
     geo = geometry({"a": 1, "b": 1}, num_computed=[4, 70])
     repeat = DecodeRepeat.after(geo, tracks, plan_rows(geo, tracks, row_limit=8))
     qsl = np.array([0, 1, 2, 2], np.int32)

@@ -432,12 +432,11 @@ class DecodeRepeat:
         """Every position one further, as a repeated step moves them."""
         self._next += 1
         if self._next == len(self._ahead):
-            self._look_ahead(self.next_computed(-1) + 1)
+            self._look_ahead(np.frombuffer(self._ahead[-1], self._dtype) + 1)
 
-    def next_computed(self, at: int | None = None) -> np.ndarray:
-        """Each request's position in the next repeat (or in the ``at``-th one ahead), in
-        ``req_ids`` order, as a fresh array."""
-        return np.frombuffer(self._ahead[self._next if at is None else at], self._dtype).copy()
+    def next_computed(self) -> np.ndarray:
+        """Each request's position in the next repeat, in ``req_ids`` order (a fresh array)."""
+        return np.frombuffer(self._ahead[self._next], self._dtype).copy()
 
     def _look_ahead(self, next_computed: np.ndarray) -> None:
         ahead = next_computed + np.arange(self.AHEAD, dtype=next_computed.dtype)[:, None]
