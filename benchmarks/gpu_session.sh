@@ -221,9 +221,12 @@ PY
     ;;
   step-host)
     # Capture's step-path host time without an engine (seconds): on this host's CPU, with the
-    # plan buffers on the GPU and on the CPU.
+    # plan buffers on the GPU and on the CPU, hot and with 64 MiB read before each step (the
+    # caches emptied, as vLLM's work between two steps empties them).
     for d in cuda cpu; do
-      timeout 120 python3 benchmarks/step_host.py --device $d 2>&1 | tee -a "$OUT/step_host.log" | grep -E "^\{"
+      for mb in 0 64; do
+        timeout 120 python3 benchmarks/step_host.py --device $d --evict-mb $mb 2>&1 | tee -a "$OUT/step_host.log" | grep -E "^\{"
+      done
     done
     ;;
   eager-launch)
