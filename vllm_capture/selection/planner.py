@@ -396,7 +396,7 @@ class DecodeRepeat:
         found = list(map(tracks.get, geometry.req_ids))
         if None in found or set(map(_SELECT, found)) != {None}:
             return None
-        next_computed = geometry.num_computed.astype(np.int64) + 1
+        next_computed = geometry.num_computed + 1  # int64: the geometry checked it
         planned = np.fromiter(map(_NEXT_POSITION, found), dtype=np.int64, count=n)
         if not np.array_equal(planned, next_computed):
             return None
