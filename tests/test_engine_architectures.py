@@ -152,12 +152,12 @@ def test_capture_points_found(arch, llm):
     assert heads["hooked_layers"] == NUM_LAYERS
     assert router["hooked_layers"] == (NUM_LAYERS if moe else 0)
     for layer in range(NUM_LAYERS):
-        assert heads["layouts"][str(layer)] == {"width": HEADS * HEAD_SIZE, "num_heads": HEADS,
+        assert heads["layouts"][layer] == {"width": HEADS * HEAD_SIZE, "num_heads": HEADS,
                                                 "head_size": HEAD_SIZE}
-        assert hidden["layouts"][str(layer)]["width"] == HIDDEN
+        assert hidden["layouts"][layer]["width"] == HIDDEN
         if moe:
             # the router (num_experts wide), not Qwen2-MoE's one-wide shared_expert_gate
-            assert router["layouts"][str(layer)]["width"] == moe[1]
+            assert router["layouts"][layer]["width"] == moe[1]
     if not moe:
         with pytest.raises(ValueError, match="no instrumented router_logits"):
             capture(llm, [tokens_prompt([5, 6, 7])], stream="router_logits", max_tokens=1)

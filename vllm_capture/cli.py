@@ -599,7 +599,7 @@ def _status_layouts(llm, component: str) -> dict[int, dict]:
     from vllm_capture.api import capture_status
 
     status = capture_status(llm, component)
-    return {int(k): dict(v) for k, v in (status.get("layouts") or {}).items()}
+    return {layer: dict(v) for layer, v in status["layouts"].items()}
 
 
 def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,

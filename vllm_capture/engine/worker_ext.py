@@ -220,6 +220,4 @@ class CaptureWorkerExtension:
 
     @_tagged_errors
     def capture_status(self, stream: str) -> dict:
-        status = self._capture_session().stream_status(stream)
-        status["layouts"] = {str(k): v for k, v in status["layouts"].items()}
-        return {**tp_rank_and_size(), **status}
+        return {**tp_rank_and_size(), **self._capture_session().stream_status(stream)}
