@@ -99,7 +99,7 @@ def fake_capture(llm, prompts, *, stream, max_tokens=1, layers=None, dtype=None,
 def fake_status(llm, stream="hidden_states"):
     if stream not in WIDTH:
         return {"layouts": {}}
-    return {"layouts": {str(layer): {"width": WIDTH[stream]} for layer in range(NUM_LAYERS)}}
+    return {"layouts": {layer: {"width": WIDTH[stream]} for layer in range(NUM_LAYERS)}}
 
 
 @pytest.fixture(autouse=True)
