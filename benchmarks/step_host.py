@@ -68,7 +68,7 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
     req_ids = [f"req-{i}" for i in range(requests)]
     params = types.SimpleNamespace(extra_args={}, n=1)
     for r in req_ids:
-        session.add_request(r, list(range(PROMPT)), params, 0)
+        session.add_request(r, list(range(PROMPT)), params)
     # The runner's buffers are longer than the batch (max_num_seqs + 1 start offsets), int32.
     spare = np.zeros(8, dtype=np.int32)
     prefill = np.concatenate([np.arange(requests + 1, dtype=np.int32) * PROMPT, spare])

@@ -17,6 +17,7 @@ from vllm_capture.selection import (
     DecodeRepeat,
     RequestTrack,
     SelectSpec,
+    Skipped,
     StepBuffers,
     TokenCondition,
     plan_rows,
@@ -76,6 +77,20 @@ def test_preemption_recompute_is_not_captured_twice():
     again = plan_rows(geometry({"r": 5}), {"r": track}, 10)
     assert again.positions.tolist() == [4] and again.rows.tolist() == [4]
     assert track.next_position == 5
+    assert again.skipped == ()
+
+
+def test_a_step_past_the_high_water_mark_reports_the_positions_between():
+    # "a" computed 0-2, then resumes at 6 (a prefix-cache hit); "b" is new and starts at 2 (one
+    # too); "c" recomputes from 0 after preemption; "d" is not tracked.
+    tracks = {r: RequestTrack(req_index=i, prompt_len=8) for i, r in enumerate("abc")}
+    tracks["a"].next_position = 3
+    tracks["c"].next_position = 4
+    geo = geometry({"a": 2, "b": 1, "c": 5, "d": 1}, num_computed=[6, 2, 0, 5])
+    plan = plan_rows(geo, tracks, 10)
+    assert plan.skipped == (Skipped("a", 3, 6), Skipped("b", 0, 2))
+    assert plan.positions.tolist() == [6, 7, 2, 4]
+    assert [tracks[r].next_position for r in "abc"] == [8, 3, 5]
 
 
 def test_unknown_decode_tokens_get_shared_conditions():
@@ -145,6 +160,7 @@ def test_segments_example():
     assert plan.row_count.tolist() == [4, 1, 1]
     assert plan.last_position.tolist() == [3, 6, 9]
     assert [tracks[r].next_position for r in "abc"] == [4, 7, 10]
+    assert plan.skipped == (Skipped("c", 0, 9),)  # its first 9 positions came from the cache
 
 
 def test_segments_reject_clauses_and_missing_slots():

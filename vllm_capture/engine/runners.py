@@ -29,8 +29,7 @@ def observe_scheduler_output(session, scheduler_output) -> None:
     for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
         if new.req_id.startswith(_WARMUP_PREFIXES):
             continue
-        session.add_request(new.req_id, new.prompt_token_ids, new.sampling_params,
-                            new.num_computed_tokens)
+        session.add_request(new.req_id, new.prompt_token_ids, new.sampling_params)
 
 
 # Runner methods that run forwards which are not steps (dummy, profile and capture runs). A step

@@ -8,7 +8,8 @@ distinct clause, never per row).
 Each position of a request is planned at most once: a per-(stream, request) high-water mark
 (``RequestTrack.next_position``) skips positions the runner recomputes after preemption or that
 an earlier step already covered, so chunked prefill, preemption and requests joining mid-stream
-never duplicate or mislabel rows.
+never duplicate or mislabel rows. Positions no step computed (a step starting past the mark) are
+reported with the plan (``Skipped``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "RequestTrack",
     "RowPlan",
     "SegmentPlan",
+    "Skipped",
     "TokenCondition",
     "plan_rows",
     "plan_segments",
@@ -100,6 +102,18 @@ class TokenCondition:
         return keep
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """Positions ``[start, stop)`` of ``req_id`` that no step computed: its rows this step begin
+    past its track's high-water mark. vLLM's prefix cache does this, when a request is admitted
+    and when it resumes after preemption (another request may have cached more of its sequence
+    meanwhile). Whether it lost rows the stream wanted is the caller's to decide."""
+
+    req_id: str
+    start: int
+    stop: int
+
+
 @dataclass(frozen=True, eq=False)
 class RowPlan:
     """Rows to gather this step (reduce="all"), ascending, with their labels.
@@ -115,6 +129,7 @@ class RowPlan:
     condition: np.ndarray
     conditions: list[TokenCondition]
     dropped: int
+    skipped: tuple[Skipped, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,6 +140,7 @@ class SegmentPlan:
     row_start: np.ndarray
     row_count: np.ndarray
     last_position: np.ndarray
+    skipped: tuple[Skipped, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,6 +155,13 @@ class _Scan:
     row_start: np.ndarray  # first row of the request this step (new or not)
     end_position: np.ndarray  # one past the request's last position this step
     next_position: np.ndarray  # each track's high-water mark before this step
+
+    def skipped(self, req_ids: tuple[str, ...]) -> tuple[Skipped, ...]:
+        ahead = np.flatnonzero(self.first_position > self.next_position)
+        if ahead.size == 0:
+            return ()
+        return tuple(map(Skipped, map(req_ids.__getitem__, self.req[ahead].tolist()),
+                         self.next_position[ahead].tolist(), self.first_position[ahead].tolist()))
 
     def advance(self) -> None:
         grown = self.end_position > self.next_position
@@ -221,6 +244,7 @@ def plan_rows(
         condition=condition,
         conditions=condition_list,
         dropped=dropped,
+        skipped=scan.skipped(geometry.req_ids),
     )
 
 
@@ -347,6 +371,7 @@ def plan_segments(
         row_start=scan.first_row[has_rows].astype(np.int32),
         row_count=scan.num_new[has_rows].astype(np.int32),
         last_position=(scan.end_position[has_rows] - 1).astype(np.int32),
+        skipped=scan.skipped(geometry.req_ids),
     )
 
 

@@ -32,6 +32,7 @@ from vllm_capture.selection import (
     DecodeRepeat,
     RequestTrack,
     SelectSpec,
+    Skipped,
     StepBuffers,
     plan_rows,
     plan_segments,
@@ -83,7 +84,6 @@ class RequestInfo:
     prompt_token_ids: tuple[int, ...]
     # stream -> SelectSpec wire dict; "*" applies to every stream.
     selects: dict[str, dict] = field(default_factory=dict)
-    num_cached: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -415,14 +415,13 @@ class CaptureSession:
 
     # ---- request lifecycle ----------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt_token_ids, sampling_params=None,
-                    num_computed_tokens: int = 0) -> None:
+    def add_request(self, req_id: str, prompt_token_ids, sampling_params=None) -> None:
         if req_id in self._requests:
             return  # resumed after preemption: keep the original prompt length
         # Every new request passes here, with or without a stream on (one may start while it
         # runs), so on an idle engine's step path: a plain copy of vLLM's list of ints (4 us for
         # 2,048 ids on the CPU VM; converting each id with int() took 180 us).
-        info = RequestInfo(tuple(prompt_token_ids or ()), num_cached=int(num_computed_tokens))
+        info = RequestInfo(tuple(prompt_token_ids or ()))
         if not info.prompt_token_ids:
             self._unsupported_requests[req_id] = (
                 "capture needs the prompt's token ids (prompt embeddings are not supported)")
@@ -508,6 +507,9 @@ class CaptureSession:
                 self._open_tracks(st, geometry)
                 plan = (plan_rows(geometry, st.tracks, gs.capacity) if st.config.reduce == "all"
                         else plan_segments(geometry, st.tracks, st.slots))
+                for skipped in plan.skipped:
+                    if self._selects_missing(st, st.tracks[skipped.req_id], skipped):
+                        st.store.mark_elided(skipped.req_id)
                 st.repeat = DecodeRepeat.after(geometry, st.tracks, plan)
             else:
                 plan = repeat.plan
@@ -610,7 +612,7 @@ class CaptureSession:
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
         new_slots: list[int] = []
-        for i, req_id in enumerate(geometry.req_ids):
+        for req_id in geometry.req_ids:
             if req_id in st.tracks or req_id in st.closed:
                 continue
             info = self._requests.get(req_id)
@@ -652,22 +654,20 @@ class CaptureSession:
                 st.slot_req_index[slot] = track.req_index
                 st.slot_last_position[slot] = -1
                 new_slots.append(slot)
-            first_position = int(geometry.num_computed[i])
-            if first_position > 0 and self._selects_missing(st, track, first_position):
-                st.store.mark_elided(req_id)
             st.tracks[req_id] = track
         # One device fill for every slot handed out this step (the step's forward follows it).
         self.graph_state.reset_acc_slots(st.component, new_slots)
         if new_slots and self.on_stored is not None:
             self._queue.put(_Opened())
 
-    def _selects_missing(self, st: Stream, track: RequestTrack, first_position: int) -> bool:
-        """Whether rows before ``first_position`` (never computed here) were wanted."""
+    def _selects_missing(self, st: Stream, track: RequestTrack, skipped: Skipped) -> bool:
+        """Whether the positions ``skipped`` (never computed here) held rows ``st`` wanted: a
+        mean wants them all, a last row comes later anyway."""
         if st.config.reduce == "last":
             return False
         if st.config.reduce == "mean":
             return True
-        return selects_positions_below(track, first_position)
+        return selects_positions_in(track, skipped.start, skipped.stop)
 
     def _close(self, st: Stream, req_ids: list[str]) -> None:
         """Close the reductions (last/mean) of ``req_ids`` still open: their rows wait in their
@@ -921,27 +921,28 @@ def _item_bytes(item) -> int:
     return 0
 
 
-def selects_positions_below(track: RequestTrack, stop: int) -> bool:
-    """Whether ``track``'s selection wants any position in ``[0, stop)``.
+def selects_positions_in(track: RequestTrack, start: int, stop: int) -> bool:
+    """Whether ``track``'s selection wants any position in ``[start, stop)``.
 
     Reuses the planner on a synthetic one-request step covering those positions, so the answer
-    follows exactly the rules that plan real steps.
+    follows exactly the rules that plan real steps. Generated tokens there are not known, so a
+    row whose selection depends on its token counts as wanted.
     """
-    if stop <= 0:
+    rows = stop - start
+    if rows <= 0:
         return False
-    prompt = np.asarray(track.prompt_token_ids or (), dtype=np.int32)
-    token_ids = np.full(stop, -1, dtype=np.int32)
-    n = min(stop, len(prompt))
-    token_ids[:n] = prompt[:n]
+    prompt = np.asarray(track.prompt_token_ids or (), dtype=np.int32)[start:stop]
+    token_ids = np.full(rows, -1, dtype=np.int32)
+    token_ids[:len(prompt)] = prompt
     geometry = BatchGeometry(
         req_ids=("probe",),
-        query_start_loc=np.array([0, stop], dtype=np.int32),
-        num_computed=np.array([0], dtype=np.int64),
-        num_rows_padded=stop,
+        query_start_loc=np.array([0, rows], dtype=np.int32),
+        num_computed=np.array([start], dtype=np.int64),
+        num_rows_padded=rows,
         token_ids=token_ids,
     )
-    probe = replace(track, next_position=0)
-    plan = plan_rows(geometry, {"probe": probe}, stop)
+    probe = replace(track, next_position=start)
+    plan = plan_rows(geometry, {"probe": probe}, rows)
     return len(plan.rows) > 0 or plan.dropped > 0
 
 
