@@ -664,3 +664,35 @@ def test_capture_batches_equals_one_capture(llm):
                                   rtol=RTOL, atol=ATOL, what=f"batch prompt {i} layer {layer}")
             i += 1
     assert i == len(prompts)
+
+
+
+# ---- 12. stop strings ----------------------------------------------------------------------------
+
+def test_capture_ends_a_stop_strings_rows_where_its_output_ends(llm, hf):
+    """vLLM finds a stop string outside the engine core, which feeds the token that completed it
+    (or more) before it hears that the request stopped. capture() returns the rows of the
+    sequence it returns: the prompt and every generated token but the last."""
+    prompts = _prompts(1212, [6, 12, 3, 20, 9, 15])
+    free = llm.generate([tokens_prompt(p) for p in prompts], _sampling(max_tokens=40),
+                        use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    stops = []
+    for p, o in zip(prompts, free):
+        # A generated word after the first two (most of the tiny model's ids spell nothing).
+        words = [tokenizer.decode([t]).strip() for t in o.outputs[0].token_ids[2:]]
+        words = [w for w in words if w.isalpha()]
+        if words:
+            stops.append((p, words[0]))
+    assert len(stops) >= 2, "the scenario needs prompts that generate words"
+    for p, word in stops:
+        res = capture(llm, [tokens_prompt(p)],
+                      sampling_params=_sampling(max_tokens=40, stop=[word]))
+        out = res.outputs[0].outputs[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) < 40, word
+        fed = fed_tokens(p, res.outputs[0])
+        check_result_labels(res, [fed], [range(len(fed))])
+        want = hf.run(fed)["hidden_states"]
+        for layer in range(NUM_LAYERS):
+            assert_close_rows(res.sample_rows(0, layer), want[layer], rtol=RTOL, atol=ATOL,
+                              what=f"stop {word!r} layer {layer}")

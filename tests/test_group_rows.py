@@ -41,15 +41,19 @@ def _fetched(rng: random.Random, request_ids: list[str], layers=(0, 3)):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_rows_group_by_prompt_then_position_like_the_brute_force(seed):
+@pytest.mark.parametrize("with_ends", [False, True])
+def test_rows_group_by_prompt_then_position_like_the_brute_force(seed, with_ends):
     rng = random.Random(seed)
     # Ids that prefix one another ("1" and "12"), ids with dashes and hex-like tails.
     pool = ["1", "12", "12-x", "a-b", "req", "deadbeef", "7-0000000g", "x" * 12]
     request_ids = rng.sample(pool, rng.randint(1, len(pool)))
     tensors, meta, rows = _fetched(rng, request_ids)
-    grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids)
+    ends = [rng.randint(0, 6) for _ in request_ids] if with_ends else None
+    grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids, ends)
     owner = np.asarray(_brute_owner([r[0] for r in rows], request_ids))
-    order = sorted(range(len(rows)), key=lambda j: (owner[j], rows[j][1], j))
+    kept = [j for j in range(len(rows)) if ends is None or rows[j][1] < ends[owner[j]]]
+    order = sorted(kept, key=lambda j: (owner[j], rows[j][1], j))
+    owner = owner[kept]
     for layer in tensors:
         assert torch.equal(grouped[layer], tensors[layer][order])
         assert grouped_meta[layer].req_ids == [rows[j][0] for j in order]

@@ -263,9 +263,11 @@ class CaptureResult:
 
 
 def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
-               request_ids: list[str]) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta], list[int]]:
+               request_ids: list[str], ends: list[int] | None = None,
+               ) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta], list[int]]:
     """Reorder every layer's rows into prompt order (rows of a prompt by position).
 
+    ``ends[i]``: prompt ``i``'s rows at that position or later are left out (see ``capture``).
     Raises on rows that belong to no prompt (stale labels), rows claimed twice, and layers whose
     row labels differ (every layer of a stream must carry the same rows).
     """
@@ -280,11 +282,13 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
                                f"capture: {stale}")
         positions = m.positions.numpy()
         order = np.lexsort((np.arange(len(m)), positions, owner))
+        if ends is not None:
+            order = order[positions[order] < np.asarray(ends, dtype=np.int64)[owner[order]]]
         labels = list(zip(owner[order].tolist(), positions[order].tolist(),
                           m.token_ids.numpy()[order].tolist()))
         if reference is None:
             reference = labels
-            counts = np.bincount(owner, minlength=len(request_ids))
+            counts = np.bincount(owner[order], minlength=len(request_ids))
             offsets = [0] + np.cumsum(counts).tolist()
         elif labels != reference:
             raise RuntimeError(f"layer {layer}: row labels differ from the other layers'")
@@ -373,7 +377,11 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
     finally:
         stop_capture(llm, stream)
     request_ids = [o.request_id for o in outputs]
-    grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids)
+    # A request's rows are its prompt and every generated token but the last. A stop string is
+    # found outside the engine core, which feeds the token that completed it (or a few more)
+    # before it hears the request stopped; those rows are not part of the returned sequence.
+    ends = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outputs]
+    grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids, ends)
     return CaptureResult(grouped, outputs, layouts, stream, grouped_meta, offsets)
 
 
