@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_capture import api
-from vllm_capture.cli import Prompt, UsageError, extract
+from vllm_capture.cli import Prompt, UsageError, extract, load_prompts
 from vllm_capture.dataset import DatasetError, load_dataset
 from vllm_capture.selection import SelectSpec
 from vllm_capture.session.wire import CaptureMeta
@@ -126,6 +126,7 @@ def test_roundtrip_rows_labels_and_manifest(tmp_path):
     summary = run(out)
     assert summary["prompts"] == len(PROMPTS)
     ds = load_dataset(out, verify=True)
+    assert summary["rows"] == ds.num_rows("hidden_states")  # positions, once for all components
     m = ds.manifest
     assert ds.complete and m["complete"]
     assert ds.components == ["hidden_states", "attention_heads"]
@@ -200,6 +201,9 @@ def test_lazy_access_by_prompt_position_and_id(tmp_path):
         ds.rows("hidden_states", 0, prompt="nope")
     with pytest.raises(IndexError):
         ds.rows("hidden_states", 0, prompt=len(PROMPTS))
+    for bad in ([2.7], [True], ["2"]):
+        with pytest.raises(TypeError, match="positions"):
+            ds.rows("hidden_states", 0, positions=bad)
 
 
 def test_verify_detects_tampered_and_missing_shards(tmp_path):
@@ -220,6 +224,103 @@ def test_verify_detects_tampered_and_missing_shards(tmp_path):
         load_dataset(out)
 
 
+def _drop_middle_shard(m, out):
+    del m["shards"][1]
+
+
+def _drop_last_shard(m, out):
+    m["shards"].pop()
+
+
+def _list_a_shard_twice(m, out):
+    m["shards"].insert(2, m["shards"][1])
+
+
+def _count_a_row_more(m, out):
+    m["rows"]["hidden_states"] += 1
+
+
+def _count_a_shards_row_more(m, out):
+    m["shards"][0]["rows"]["hidden_states"] += 1
+    m["rows"]["hidden_states"] += 1
+
+
+def _move_a_shard_boundary(m, out):
+    m["shards"][0]["prompt_end"] -= 1
+    m["shards"][1]["prompt_start"] -= 1
+
+
+def _swap_request_ids(m, out):
+    ids = m["request_ids"]
+    ids[0], ids[1] = ids[1], ids[0]
+
+
+def _call_it_bf16(m, out):
+    m["dtype"] = "bfloat16"
+
+
+def _narrow_a_layout(m, out):
+    m["layouts"]["hidden_states"]["0"]["width"] = 4
+
+
+def _forget_a_layer(m, out):
+    m["layers"]["hidden_states"].remove(2)
+
+
+def _edit_a_prompt(m, out):
+    path = out / "prompts.jsonl"
+    path.write_text(path.read_text().replace("red green", "red blue"))
+
+
+def _delete_the_prompts(m, out):
+    (out / "prompts.jsonl").unlink()
+
+
+@pytest.mark.parametrize("edit, on_load, match", [
+    (_drop_middle_shard, True, "a shard is missing"),
+    (_drop_last_shard, True, "says it is complete"),
+    (_list_a_shard_twice, True, "listed twice"),
+    (_count_a_row_more, True, "its shards hold"),
+    (_count_a_shards_row_more, False, "hidden_states.layer_0 is float32"),
+    (_move_a_shard_boundary, False, "holds prompts"),
+    (_swap_request_ids, False, "request_ids"),
+    (_call_it_bf16, False, "the manifest says bfloat16"),
+    (_narrow_a_layout, False, r"the manifest says float32 \[\d+, 4\]"),
+    (_forget_a_layer, False, "does not list"),
+    (_edit_a_prompt, False, "prompts_sha256"),
+    (_delete_the_prompts, False, "prompts.jsonl is missing"),
+])
+def test_the_manifest_is_checked_against_its_shards_and_prompts(tmp_path, edit, on_load, match):
+    """Shards that hash right are not enough: the manifest and prompts.jsonl that describe them
+    must agree with them (cheap checks at load, the rest in verify)."""
+    out = tmp_path / "ds"
+    run(out)
+    load_dataset(out, verify=True).close()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["shards"]) >= 3
+    edit(manifest, out)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    if on_load:
+        with pytest.raises(DatasetError, match=match):
+            load_dataset(out)
+    else:
+        ds = load_dataset(out)
+        with pytest.raises(DatasetError, match=match):
+            ds.verify()
+
+
+def test_prompt_files_split_on_newlines_only(tmp_path):
+    """A .txt holds one prompt per line: a form feed or U+2028 inside a prompt is text, a BOM
+    and a carriage return before the newline are not."""
+    txt = tmp_path / "p.txt"
+    txt.write_bytes("\ufefffirst\r\nsecond\fpart\n\nthird\u2028part\n".encode())
+    assert [p.text for p in load_prompts(txt)] == ["first", "second\fpart", "third\u2028part"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_bytes(("\ufeff" + json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False)
+                       + "\r\n").encode())
+    assert [p.text for p in load_prompts(jsonl)] == ["a\u2028b"]
+
+
 class Interrupt(RuntimeError):
     pass
 
@@ -237,6 +338,8 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):
     ds = load_dataset(part)
     assert not ds.complete and len(ds.shards) == 1
     done = ds.shards[0]["prompt_end"]
+    with pytest.raises(IndexError, match="not extracted yet"):
+        ds.rows("hidden_states", 0, prompt=done)
     # What a crash can leave behind: a temporary shard and a renamed shard that the manifest
     # never listed. Neither may count, and the rerun must replace them.
     (part / ".shard-00001.safetensors.tmp-999").write_bytes(b"half a shard")
@@ -328,7 +431,8 @@ def test_output_folder_holding_another_run_is_refused(tmp_path):
     before = (out / "manifest.json").read_text()
     for change in (dict(layers=[0]), dict(select="last"), dict(max_tokens=2),
                    dict(prompts=PROMPTS[:-1]), dict(components=["hidden_states"]),
-                   dict(storage_dtype="float16"), dict(model="other")):
+                   dict(storage_dtype="float16"), dict(model="other"),
+                   dict(engine_options={"load_format": "dummy"})):
         with pytest.raises(UsageError, match="different run"):
             run(out, **change)
     assert (out / "manifest.json").read_text() == before

@@ -45,7 +45,6 @@ exit code 2, before the engine starts and before anything is written.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -57,8 +56,9 @@ from typing import Any, Callable, Sequence
 
 from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFEST, PROMPT_LENGTH,
                                   PROMPTS_FILE, SHARD_PREFIX, DatasetError, dtype_name,
-                                  label_name, load_dataset, read_manifest, sha256_file,
-                                  shard_name, tensor_name, write_json_atomic, write_text_atomic)
+                                  label_name, load_dataset, prompts_sha256, read_manifest,
+                                  sha256_file, shard_name, tensor_name, write_json_atomic,
+                                  write_text_atomic)
 from vllm_capture.session.components import COMPONENTS, HIDDEN_STATES, ROUTER_LOGITS
 from vllm_capture.tiny_models import CORPUS
 
@@ -115,7 +115,10 @@ def load_prompts(path: str | os.PathLike) -> list[Prompt]:
     if suffix not in (".txt", ".jsonl"):
         raise UsageError(f"prompts: {path} must be a .txt (one prompt per line) or .jsonl file")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # One prompt per "\n" (str.splitlines would also split on form feeds, U+2028 and more,
+        # which a prompt may hold); a byte-order mark is not text.
+        lines = [line.removesuffix("\r")
+                 for line in path.read_text(encoding="utf-8-sig").split("\n")]
     except UnicodeDecodeError as exc:
         raise UsageError(f"prompts: {path} is not UTF-8 text ({exc.reason})") from None
     prompts: list[Prompt] = []
@@ -176,14 +179,6 @@ def _as_prompts(prompts: Sequence) -> list[Prompt]:
     if not out:
         raise UsageError("prompts: empty")
     return out
-
-
-def prompts_sha256(prompts: Sequence[Prompt]) -> str:
-    h = hashlib.sha256()
-    for p in prompts:
-        h.update(json.dumps([p.id, p.text, p.select], sort_keys=True).encode())
-        h.update(b"\n")
-    return h.hexdigest()
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -370,7 +365,8 @@ def check_model(model: str, components: Sequence[str], layers: list[int] | None)
 
 def run_fingerprint(*, model: str, components: Sequence[str], layers: list[int] | None,
                     selection: tuple[str, Any], max_tokens: int, storage_dtype: str | None,
-                    engine_dtype: str | None, prompts: Sequence[Prompt]) -> dict:
+                    engine_dtype: str | None, load_format: str | None,
+                    prompts: Sequence[Prompt]) -> dict:
     """What defines a run: two runs with equal fingerprints produce the same rows."""
     mode, spec = selection
     path = Path(model).expanduser()
@@ -382,8 +378,10 @@ def run_fingerprint(*, model: str, components: Sequence[str], layers: list[int] 
         "max_tokens": int(max_tokens),
         "storage_dtype": storage_dtype,
         "engine_dtype": engine_dtype or "auto",
+        # Which weights: "dummy" (random) ones make other rows than the checkpoint's.
+        "load_format": load_format or "auto",
         "num_prompts": len(prompts),
-        "prompts_sha256": prompts_sha256(prompts),
+        "prompts_sha256": prompts_sha256((p.id, p.text, p.select) for p in prompts),
     }
 
 
@@ -559,7 +557,9 @@ class RunPlan:
         return run_fingerprint(model=model, components=self.components, layers=self.layers,
                                selection=(self.mode, self.spec), max_tokens=self.max_tokens,
                                storage_dtype=self.storage_dtype,
-                               engine_dtype=self.engine_options.get("dtype"), prompts=self.prompts)
+                               engine_dtype=self.engine_options.get("dtype"),
+                               load_format=self.engine_options.get("load_format"),
+                               prompts=self.prompts)
 
 
 def plan_run(prompts: Sequence, *, components=(HIDDEN_STATES,), layers=None, select: Any = "last",
@@ -735,7 +735,9 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
                 for layer, lay in (result.layouts or {}).items():
                     if layer in layouts[c]:
                         manifest["layouts"][c][str(layer)] = dict(lay)
-                rows_done += buffer.add(c, result, b0)
+                added = buffer.add(c, result, b0)
+                if c == components[0]:  # every component stores the same positions
+                    rows_done += added
             buffer.prompt_end = b1
             summary["prompts"] += b1 - b0
             elapsed = max(time.perf_counter() - t0, 1e-9)
@@ -940,7 +942,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="dataset folder")
     i.add_argument("--plot", default=None, metavar="PNG",
                    help="write per-layer activation norm by position to this PNG")
-    i.add_argument("--verify", action="store_true", help="check every shard's sha256")
+    i.add_argument("--verify", action="store_true",
+                   help="hash every shard and check it, and prompts.jsonl, against the manifest")
     i.add_argument("--no-stats", action="store_true", help="skip the norm statistics (no data read)")
 
     d = sub.add_parser("demo", help="build a tiny Llama, extract a small dataset on CPU, inspect it")
@@ -964,7 +967,7 @@ def _run_extract(model: str, prompts: Sequence, out: str, *, llm_factory: Callab
     check_model(model, plan.components, plan.layers)
     manifest = check_output(out, plan.fingerprint(model))
     if manifest is not None and manifest.get("complete"):
-        print(f"{out}: already complete ({sum(manifest['rows'].values())} rows); nothing to do",
+        print(f"{out}: already complete ({manifest['rows'][plan.components[0]]} rows); nothing to do",
               file=sys.stderr)
         return {"out": str(out), "prompts": 0, "rows": 0, "seconds": 0.0,
                 "already_complete": True}

@@ -49,7 +49,8 @@ Reader API (``vllm_capture.load_dataset``)::
     ds.labels("hidden_states", prompt=5)         # {"prompt_index", "request_id", "position",
                                                  #  "token_id"}: numpy int32, same rows/order
     for rows, labels in ds.iter_shards("hidden_states", 3): ...   # bounded memory
-    ds.verify()                                  # raises DatasetError on a bad/missing shard
+    ds.verify()                                  # DatasetError unless every shard hashes
+                                                 # right and holds what the manifest says
 
 Data is read through ``safetensors.safe_open`` (memory-mapped): only the shards whose prompt range
 overlaps the query are opened, and only the row ranges that match are copied out.
@@ -61,7 +62,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -76,6 +77,8 @@ LABEL_COLUMNS = ("prompt_index", "request_id", "position", "token_id")
 PROMPT_LENGTH = "prompt_length"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# safetensors' names of the dtypes a shard holds.
+_FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32"}
 
 
 class DatasetError(ValueError):
@@ -96,6 +99,16 @@ def shard_name(index: int) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def prompts_sha256(prompts: Iterable[tuple[str, str, dict | None]]) -> str:
+    """Digest of a run's prompts, each ``(id, text, select)``: the manifest's
+    ``run.prompts_sha256``, which ``prompts.jsonl`` must match."""
+    h = hashlib.sha256()
+    for pid, text, select in prompts:
+        h.update(json.dumps([pid, text, select], sort_keys=True).encode())
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -166,10 +179,12 @@ def _as_index_set(values, name: str) -> np.ndarray:
     if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
         return np.array([int(values)], dtype=np.int64)
     try:
-        arr = np.array(list(values), dtype=np.int64)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected an int or an iterable of ints, got {values!r}") from None
-    return arr
+        arr = np.array(list(values))
+    except TypeError:
+        arr = None
+    if arr is None or (arr.size and arr.dtype.kind not in "iu"):
+        raise TypeError(f"{name}: expected an int or an iterable of ints, got {values!r}")
+    return arr.astype(np.int64)
 
 
 class CaptureDataset:
@@ -184,12 +199,35 @@ class CaptureDataset:
         self._prompts: list[dict] | None = None
         self._id_index: dict[str, int] | None = None
         self._prompt_lengths: np.ndarray | None = None
+        self._check_shard_list()
+        if verify:
+            self.verify()
+
+    def _check_shard_list(self) -> None:
+        """The manifest's shards, against one another and the manifest (reads no shard)."""
+        where = f"{self.path / MANIFEST}"
+        files = [entry["file"] for entry in self._shards]
+        if len(set(files)) != len(files):
+            raise DatasetError(f"{where}: a shard is listed twice")
+        end = 0
         for entry in self._shards:
+            if entry["prompt_start"] != end or entry["prompt_end"] <= end:
+                raise DatasetError(f"{where}: shard {entry['file']} holds prompts "
+                                   f"[{entry['prompt_start']}, {entry['prompt_end']}), the shard "
+                                   f"before it ended at {end} (a shard is missing)")
+            end = entry["prompt_end"]
             if not (self.path / entry["file"]).is_file():
                 raise DatasetError(f"{self.path}: shard {entry['file']} listed in the manifest "
                                    "is missing")
-        if verify:
-            self.verify()
+        total = len(self.manifest["request_ids"])
+        if end > total or (self.complete and end != total):
+            raise DatasetError(f"{where}: its shards hold prompts [0, {end}) of {total}"
+                               + (", but it says it is complete" if self.complete else ""))
+        for component in self.components:
+            rows = sum(entry["rows"][component] for entry in self._shards)
+            if rows != self.manifest["rows"][component]:
+                raise DatasetError(f"{where}: {component}: its shards hold {rows} rows, it says "
+                                   f"{self.manifest['rows'][component]}")
 
     # ---- description -----------------------------------------------------------------------
 
@@ -273,7 +311,9 @@ class CaptureDataset:
     # ---- verification ----------------------------------------------------------------------
 
     def verify(self) -> None:
-        """Hash every finished shard against the manifest; DatasetError on the first mismatch."""
+        """Hash every finished shard against the manifest, check that each holds what the
+        manifest says, and the prompts file against the run; DatasetError on the first
+        mismatch."""
         for entry in self._shards:
             file = self.path / entry["file"]
             if not file.is_file():
@@ -286,6 +326,54 @@ class CaptureDataset:
                 raise DatasetError(f"{file}: sha256 {digest[:16]}... does not match the "
                                    f"manifest's {entry['sha256'][:16]}... (file modified or "
                                    "corrupt)")
+            self._verify_shard(entry)
+        self._verify_prompts()
+
+    def _verify_shard(self, entry: dict) -> None:
+        """A hashed shard's own record of its prompts, its tensors' names, shapes and dtypes,
+        and its label columns, against the manifest."""
+        where = f"{self.path / entry['file']}"
+        f = self._handle(entry)
+        start, end = entry["prompt_start"], entry["prompt_end"]
+        meta = f.metadata() or {}
+        if (meta.get("prompt_start"), meta.get("prompt_end")) != (str(start), str(end)):
+            raise DatasetError(f"{where}: holds prompts [{meta.get('prompt_start')}, "
+                               f"{meta.get('prompt_end')}), the manifest says [{start}, {end})")
+        want: dict[str, tuple[list[int], str]] = {PROMPT_LENGTH: ([end - start], "int32")}
+        for component in self.components:
+            rows = entry["rows"][component]
+            for layer in self.layers(component):
+                width = self.layout(component, layer)["width"]
+                want[tensor_name(component, layer)] = ([rows, width], self.manifest["dtype"])
+            for column in LABEL_COLUMNS:
+                want[label_name(component, column)] = ([rows], "int32")
+        if set(f.keys()) != set(want):
+            raise DatasetError(f"{where}: holds tensors {sorted(set(f.keys()) - set(want))} the "
+                               f"manifest does not list and lacks {sorted(set(want) - set(f.keys()))}")
+        for name, (shape, dtype) in want.items():
+            sl = f.get_slice(name)
+            got = (list(sl.get_shape()), _FILE_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+            # No dtype in the manifest: nothing was captured, and only empty tensors are stored.
+            if got[0] != shape or (dtype is not None and got[1] != dtype):
+                raise DatasetError(f"{where}: {name} is {got[1]} {got[0]}, the manifest says "
+                                   f"{dtype} {shape}")
+        for component in self.components:
+            labels = self._shard_labels(entry, component)
+            index = labels["prompt_index"]
+            if ((index < start) | (index >= end)).any() or (np.diff(index) < 0).any() or not (
+                    np.array_equal(labels["request_id"], index)):
+                raise DatasetError(f"{where}: {component}: prompt_index or request_id out of "
+                                   f"the shard's prompts [{start}, {end}) or out of order")
+
+    def _verify_prompts(self) -> None:
+        records = self.prompts
+        where = f"{self.path / PROMPTS_FILE}"
+        if [r.get("id") for r in records] != self.prompt_ids:
+            raise DatasetError(f"{where}: its prompt ids are not the manifest's request_ids")
+        digest = prompts_sha256((r["id"], r["prompt"], r.get("select")) for r in records)
+        if digest != self.manifest["run"]["prompts_sha256"]:
+            raise DatasetError(f"{where}: the prompts are not the ones this dataset was "
+                               "extracted from (run.prompts_sha256 differs)")
 
     # ---- access ----------------------------------------------------------------------------
 
@@ -331,6 +419,11 @@ class CaptureDataset:
             else:
                 raise TypeError(f"prompt: expected an index (int), an id (str) or a list of "
                                 f"them, got {item!r}")
+        late = [i for i in out if i >= self.num_prompts]
+        if late:
+            raise IndexError(f"prompt {late[0]} is not extracted yet: this incomplete dataset "
+                             f"holds prompts [0, {self.num_prompts}) of "
+                             f"{len(self.manifest['request_ids'])}")
         return np.unique(np.array(out, dtype=np.int64))
 
     def _select(self, component: str, prompt, positions) -> Iterator[tuple[dict, np.ndarray]]:
