@@ -734,6 +734,39 @@ def test_budget_rows_per_layer(rng, budget, spec, count, layers):
         assert engine.session.stream_status(HS)["tokens_dropped"] == total - len(kept_ref)
 
 
+def test_a_budget_keeps_the_rows_planned_first_across_drains_stored_together():
+    """Two drains reach the store in one batch. The first came out of the device in the store's
+    order (request a's rows, then b's) and kept two of its six rows by a token condition; the
+    second holds one row. A budget of two keeps the first drain's two rows: they were planned
+    first, whatever their places among the six."""
+    from vllm_capture.capture_graph.state import DrainedRows
+    from vllm_capture.selection.planner import TokenCondition
+    from vllm_capture.session.session import _Drained
+
+    engine = Engine()
+    session = engine.session
+    session.enable_stream(HS, budget_rows=2)
+    stream = session._streams[HS]
+    a, b = (stream.store.request_index(f"{r}-00000000") for r in "ab")
+
+    def drain(labels, order=None, condition=None, conditions=()):
+        labels = torch.tensor(labels, dtype=torch.int32)
+        values = labels[:, 1:2].float().expand(-1, WIDTH[HS]).contiguous()
+        rows = DrainedRows(HS, len(labels), {0: (values, labels)}, {0: f"model.layers.0.{HS}"})
+        return _Drained(stream, rows, condition, list(conditions), order)
+
+    # Planned (a,0) (b,0) (a,1) (b,1) (a,2) (b,2); token 7 only at (a,0) and (b,2).
+    first = drain([[a, 0, 7], [a, 1, 1], [a, 2, 1], [b, 0, 1], [b, 1, 1], [b, 2, 7]],
+                  order=np.array([0, 2, 4, 1, 3, 5]), condition=np.zeros(6, dtype=np.int32),
+                  conditions=[TokenCondition(frozenset({7}))])
+    second = drain([[a, 3, 1]])
+    session._store_batch([first, second])
+    assert session.stream_status(HS)["tokens_dropped"] == 1
+    _, metas = engine.fetch(HS)
+    kept = sorted(zip(metas[0].req_ids, metas[0].positions.tolist()))
+    assert kept == [("a-00000000", 0), ("b-00000000", 2)]
+
+
 def test_budget_example_counts_each_row_once():
     engine = Engine()
     ref = RefStream(HS, 8)

@@ -841,7 +841,8 @@ class CaptureSession:
             for c, condition in enumerate(item.conditions):
                 mine = item.condition == c
                 keep[mine] = condition.accepts_array(tokens[mine])
-            arrival = None if arrival is None else arrival[keep]
+            # Ranks among the rows kept: _store_batch places a later drain's rows after them.
+            arrival = None if arrival is None else arrival[keep].argsort().argsort()
             keep = torch.from_numpy(keep)
             labels = labels[keep]
             tensors = {layer_id: tensor[keep] for layer_id, tensor in tensors.items()}
