@@ -436,6 +436,13 @@ def test_output_folder_holding_another_run_is_refused(tmp_path):
         with pytest.raises(UsageError, match="different run"):
             run(out, **change)
     assert (out / "manifest.json").read_text() == before
+    # A manifest from before the fingerprint named the load format resumes as the checkpoint's.
+    manifest = json.loads(before)
+    del manifest["run"]["load_format"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert run(out)["prompts"] == 0  # accepted: complete, nothing to do
+    with pytest.raises(UsageError, match="load_format"):
+        run(out, engine_options={"load_format": "dummy"})
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

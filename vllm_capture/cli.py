@@ -404,7 +404,8 @@ def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
         manifest = read_manifest(out)
     except DatasetError as exc:
         raise UsageError(f"--out: {exc}") from None
-    previous = manifest.get("run", {})
+    # A run written before the fingerprint named its load format used the checkpoint's weights.
+    previous = {"load_format": "auto", **manifest.get("run", {})}
     differs = [k for k in sorted(set(previous) | set(fingerprint))
                if previous.get(k) != fingerprint.get(k)]
     if differs:
