@@ -251,7 +251,7 @@ def test_prefix_cache(llm):
         stop_capture(llm)
 
     # The last prompt token is never served from the cache: last-token capture works on a hit.
-    start_capture(llm, select=vc.SelectSpec.last_prompt_token().to_wire())
+    start_capture(llm, select=vc.SelectSpec.last_prompt_token())  # a SelectSpec, or its wire dict
     try:
         out = llm.generate([prompt], _sampling(max_tokens=2), use_tqdm=False)
         assert out[0].num_cached_tokens and out[0].num_cached_tokens > 0, "expected a cache hit"

@@ -110,6 +110,8 @@ def test_config_canonicalizes_select_and_round_trips():
     assert config.dtype is torch.bfloat16
     assert config.select == SelectSpec(prompt_window=(-2, None)).to_wire()
     assert config.selects_rows
+    # A SelectSpec itself (an engine in the client's process passes the caller's object).
+    assert StreamConfig(select=SelectSpec(prompt_window=(-2, None))).select == config.select
     summary = config.to_dict()
     assert summary["layers"] == [1, 3] and summary["dtype"] == "bfloat16"
     again = StreamConfig(**summary)

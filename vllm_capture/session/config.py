@@ -129,9 +129,12 @@ class StreamConfig:
 
 
 def _canonical_select(select: Any) -> dict:
-    """Validate at enable time instead of failing mid-forward."""
+    """Validate at enable time instead of failing mid-forward. A SelectSpec is taken as it is
+    (an engine in the client's process hands the worker the caller's object)."""
     from vllm_capture.selection import SelectSpec
 
+    if isinstance(select, SelectSpec):
+        return select.to_wire()
     try:
         return SelectSpec.from_wire(select).to_wire()
     except (TypeError, ValueError) as exc:
