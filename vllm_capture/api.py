@@ -273,6 +273,7 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
     """
     grouped_t, grouped_m, offsets, reference = {}, {}, [0], None
     client_index = {client: i for i, client in enumerate(request_ids)}
+    ends = None if ends is None else np.asarray(ends, dtype=np.int64)
     for layer in sorted(tensors):
         m = meta[layer]
         owner = _owners(m.req_ids, client_index, layer)
@@ -283,7 +284,7 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
         positions = m.positions.numpy()
         order = np.lexsort((np.arange(len(m)), positions, owner))
         if ends is not None:
-            order = order[positions[order] < np.asarray(ends, dtype=np.int64)[owner[order]]]
+            order = order[positions[order] < ends[owner[order]]]
         labels = list(zip(owner[order].tolist(), positions[order].tolist(),
                           m.token_ids.numpy()[order].tolist()))
         if reference is None:

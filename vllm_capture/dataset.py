@@ -205,7 +205,7 @@ class CaptureDataset:
 
     def _check_shard_list(self) -> None:
         """The manifest's shards, against one another and the manifest (reads no shard)."""
-        where = f"{self.path / MANIFEST}"
+        where = str(self.path / MANIFEST)
         files = [entry["file"] for entry in self._shards]
         if len(set(files)) != len(files):
             raise DatasetError(f"{where}: a shard is listed twice")
@@ -332,7 +332,7 @@ class CaptureDataset:
     def _verify_shard(self, entry: dict) -> None:
         """A hashed shard's own record of its prompts, its tensors' names, shapes and dtypes,
         and its label columns, against the manifest."""
-        where = f"{self.path / entry['file']}"
+        where = str(self.path / entry["file"])
         f = self._handle(entry)
         start, end = entry["prompt_start"], entry["prompt_end"]
         meta = f.metadata() or {}
@@ -367,7 +367,7 @@ class CaptureDataset:
 
     def _verify_prompts(self) -> None:
         records = self.prompts
-        where = f"{self.path / PROMPTS_FILE}"
+        where = str(self.path / PROMPTS_FILE)
         if [r.get("id") for r in records] != self.prompt_ids:
             raise DatasetError(f"{where}: its prompt ids are not the manifest's request_ids")
         digest = prompts_sha256((r["id"], r["prompt"], r.get("select")) for r in records)
