@@ -338,6 +338,9 @@ BAD_INPUTS = {
                                "invalid JSON"),
     "invalid selection field": (lambda d: ["{model}", "{txt}", "--select", '{"prompts": "all"}'],
                                 "unknown keys ['prompts']"),
+    "selection int past int64": (
+        lambda d: ["{model}", "{txt}", "--select", '{"prompt_positions": [99999999999999999999]}'],
+        "prompt_positions: 99999999999999999999 is out of range"),
     "generation rows without generation": (
         lambda d: ["{model}", "{txt}", "--select", '{"generation": "all"}'], "generates none"),
     "per-prompt generation select without generation": (lambda d: ["{model}", str(_write(

@@ -37,7 +37,8 @@ def test_byte_budget_sets_rows_per_step_and_warns_when_a_step_does_not_fit(caplo
 
 
 @pytest.mark.parametrize("field,value", [("buffer_bytes", 0), ("buffer_bytes", True),
-                                         ("reduce_slots", -1), ("ring_slots", 1.5)])
+                                         ("reduce_slots", -1), ("ring_slots", 1.5),
+                                         ("components", "hidden_states"), ("components", [])])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineCaptureConfig(**{field: value})

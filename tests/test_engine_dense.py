@@ -8,6 +8,7 @@ weights, every label against the request's own tokens.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -536,6 +537,15 @@ def test_fetch_by_layer_and_request(llm):
                 assert o in (0, 2) and tok == fed[o][pos]
         t, _, _ = fetch_captured(llm)
         assert t == {}
+
+        llm.generate([tokens_prompt(prompts[0])],
+                     _sampling(max_tokens=max_tokens, skip_reading_prefix_cache=True),
+                     use_tqdm=False)
+        assert capture_status(llm)["layers_captured"] == NUM_LAYERS
+        vc.clear_captured(llm)
+        assert capture_status(llm)["layers_captured"] == 0
+        t, _, _ = fetch_captured(llm)
+        assert t == {}, "clear_captured dropped the stored rows"
     finally:
         stop_capture(llm)
 
@@ -559,6 +569,13 @@ BAD_CALLS = [
     ("unknown stream", lambda llm: start_capture(llm, "bogus_stream"), ["bogus_stream"]),
     ("unknown stream fetch", lambda llm: fetch_captured(llm, "bogus_stream"), ["bogus_stream"]),
     ("unknown stream status", lambda llm: capture_status(llm, "bogus_stream"), ["bogus_stream"]),
+    ("unknown stream stop", lambda llm: stop_capture(llm, "bogus_stream"), ["bogus_stream"]),
+    ("unknown stream clear", lambda llm: vc.clear_captured(llm, "bogus_stream"), ["bogus_stream"]),
+    ("stream not a name", lambda llm: start_capture(llm, ["hidden_states"]), ["stream"]),
+    ("fetch clear not a bool", lambda llm: fetch_captured(llm, clear="no"), ["clear", "'no'"]),
+    ("SelectSpec int past int64",
+     lambda llm: start_capture(llm, select={"prompt_positions": [2 ** 63]}),
+     ["prompt_positions", "out of range"]),
     ("stream absent from model", lambda llm: start_capture(llm, "router_logits"),
      ["router_logits"]),
     ("unknown layer", lambda llm: start_capture(llm, layers=[1, 99]), ["layers", "99"]),
@@ -610,19 +627,26 @@ def test_bad_rpc_arguments_keep_engine_serving(llm):
 def test_bad_per_request_selection_fails_that_request_only(llm):
     from vllm import SamplingParams
 
-    good, bad = [10, 11, 12, 13], [20, 21, 22]
+    good, bad, huge = [10, 11, 12, 13], [20, 21, 22], [30, 31]
     start_capture(llm)
     try:
-        params = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                                 skip_reading_prefix_cache=True),
-                  SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                                 skip_reading_prefix_cache=True,
-                                 extra_args={"capture": {"prompt_positons": [0]}})]
-        outs = llm.generate([tokens_prompt(good), tokens_prompt(bad)], params, use_tqdm=False)
+        def params(capture_arg=None):
+            return SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                  skip_reading_prefix_cache=True,
+                                  extra_args=None if capture_arg is None else {"capture": capture_arg})
+
+        # The second misspells a field; the third sends, as a server's vllm_xargs would, a
+        # position past int64 (which killed the engine core until the clause checked ranges).
+        outs = llm.generate([tokens_prompt(good), tokens_prompt(bad), tokens_prompt(huge)],
+                            [params(), params({"prompt_positons": [0]}),
+                             params(json.dumps({"prompt_positions": [10 ** 30]}))],
+                            use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 2 for o in outs)  # generation unaffected
         with pytest.raises(RuntimeError) as err:
             fetch_captured(llm, clear=False)
         assert "prompt_positons" in str(err.value)
+        with pytest.raises(RuntimeError, match="prompt_positions.*out of range"):
+            fetch_captured(llm, clear=False, req_ids=[outs[2].request_id])
         t, m, _ = fetch_captured(llm, req_ids=[outs[0].request_id])
         assert sorted(t) == list(range(NUM_LAYERS))
         assert m[0].positions.tolist() == list(range(len(good) + 1))
@@ -630,10 +654,42 @@ def test_bad_per_request_selection_fails_that_request_only(llm):
         stop_capture(llm)
     _quick_capture_ok(llm)
 
-    # capture() validates per-prompt selections before anything reaches the engine.
+    # capture() validates per-prompt selections and its arguments before anything reaches the
+    # engine.
     with pytest.raises(ValueError, match="prompt_positons"):
         capture(llm, [tokens_prompt(good)], per_prompt_selects=[{"prompt_positons": [0]}])
+    with pytest.raises(ValueError, match="prompts: expected a list"):
+        capture(llm, "one prompt, not a list")
+    with pytest.raises(ValueError, match="sampling_params: expected one"):
+        capture(llm, [tokens_prompt(good)], sampling_params=[params()])
+    with pytest.raises(ValueError, match="batch_size"):
+        next(capture_batches(llm, [tokens_prompt(good)], batch_size="2"))
     _quick_capture_ok(llm)
+
+
+def test_parallel_samples_are_captured_as_requests_of_their_own(llm, hf):
+    """vLLM runs ``n`` samples as ``n`` engine requests ``{i}_{id}``; their rows carry those ids."""
+    prompt = _prompts(919, [12])[0]
+    start_capture(llm)
+    try:
+        (out,) = llm.generate([tokens_prompt(prompt)],
+                              _sampling(max_tokens=4, n=2, temperature=1.0, seed=5,
+                                        skip_reading_prefix_cache=True), use_tqdm=False)
+        assert len(out.outputs) == 2
+        t, m, _ = fetch_captured(llm, clear=False, req_ids=[out.request_id])
+        assert t == {}, "no row is labelled with the parent's id"
+        for sample in out.outputs:
+            fed = list(prompt) + list(sample.token_ids)[:-1]
+            t, m, _ = fetch_captured(llm, req_ids=[f"{sample.index}_{out.request_id}"])
+            ref = hf.run(fed)["hidden_states"]
+            for layer in range(NUM_LAYERS):
+                assert m[layer].positions.tolist() == list(range(len(fed)))
+                assert m[layer].token_ids.tolist() == fed
+                assert_close_rows(t[layer], ref[layer], rtol=RTOL, atol=ATOL,
+                                  what=f"sample {sample.index} layer {layer}")
+        assert fetch_captured(llm)[0] == {}, "the two samples' rows were all there was"
+    finally:
+        stop_capture(llm)
 
 
 # ---- 9. capture_batches --------------------------------------------------------------------------

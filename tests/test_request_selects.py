@@ -27,6 +27,7 @@ def test_per_stream_clauses(raw):
     (7, "expected a SelectSpec wire dict"),
     ({"prompt_positons": [0]}, "prompt_positons"),
     (json.dumps({"hidden_states": {"prompt": "some"}}), "prompt"),
+    (json.dumps({"prompt_positions": [10 ** 30]}), "prompt_positions.*out of range"),
 ])
 def test_bad_request_selects_name_the_problem(raw, needle):
     with pytest.raises(ValueError, match=needle):

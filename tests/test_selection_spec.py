@@ -125,6 +125,11 @@ def select_specs(draw) -> SelectSpec:
             "exclude_generation_positions",
         ),
         ({"generation": "all", "exclude_generation_tokens": [False]}, "exclude_generation_tokens"),
+        # Past int32 no label can match; past int64 numpy raised OverflowError mid-step.
+        ({"prompt_positions": [2 ** 63]}, "prompt_positions.*out of range"),
+        ({"prompt_tokens": [10 ** 30]}, "prompt_tokens.*out of range"),
+        ({"generation_positions": [2 ** 31]}, "generation_positions.*out of range"),
+        ({"prompt_window": (-(2 ** 70), None)}, "prompt_window.*out of range"),
     ],
 )
 def test_invalid_clauses_name_the_field(kwargs, needle):
@@ -143,6 +148,7 @@ def test_invalid_clauses_name_the_field(kwargs, needle):
         {"generation_window": (2, None)},
         {"prompt": "all", "exclude_prompt_window": (2, -2)},
         {"prompt_positions": [np.int64(-1), np.int32(3)]},
+        {"prompt_positions": [2 ** 31 - 1, -(2 ** 31 - 1)]},
     ],
 )
 def test_valid_edge_clauses_accepted(kwargs):

@@ -95,7 +95,6 @@ class Req:
     gen: list  # generated tokens that are fed back (max_tokens - 1 of them)
     client: str = ""
     capture: dict | None = None  # extra_args["capture"]
-    n: int = 1
     arrive: int = 0
     cache_hit: int = 0
     preemptions: int = 0
@@ -128,7 +127,7 @@ class Req:
 
     def sampling_params(self):
         extra = {} if self.capture is None else {"capture": self.capture}
-        return types.SimpleNamespace(extra_args=extra, n=self.n)
+        return types.SimpleNamespace(extra_args=extra)
 
 
 @dataclass
@@ -380,7 +379,7 @@ class RefStream:
         self.req[rid], self.first[rid], self.high[rid] = r, first, 0
         self.selected[rid], self.fed[rid] = [], []
         per_request = resolve_select(r, self.component, self.select)[1]
-        if r.n != 1 or (per_request and self.reduce != "all"):
+        if per_request and self.reduce != "all":
             self.status[rid] = "failed"
             return
         if self.reduce != "all":
@@ -833,9 +832,8 @@ def test_reductions_random_schedules(scenario):
     engine = Engine(acc_slots=acc_slots)
     reqs = make_requests(rng, count, [], max_prompt=14, max_gen=5)
     if with_bad:
-        # A per-request selection cannot combine with a reduction; n > 1 is unsupported.
+        # A per-request selection cannot combine with a reduction.
         reqs[0].capture = SelectSpec.all().to_wire()
-        reqs[-1].n = 2
     refs = {c: RefStream(c, acc_slots, reduce=cfg["reduce"], layers=cfg["layers"], active=False)
             for c, cfg in streams.items()}
     engine.refs = list(refs.values())
@@ -1439,7 +1437,7 @@ def test_an_interpreter_exit_with_rows_in_flight_is_clean(tmp_path):
         session.enable_stream("hidden_states", layers={0, 3, 5, 7})
         ids = [f"r{i}" for i in range(64)]
         for rid in ids:
-            session.add_request(rid, list(range(32)), types.SimpleNamespace(extra_args={}, n=1))
+            session.add_request(rid, list(range(32)), types.SimpleNamespace(extra_args={}))
         for step in range(40):
             prefill = step == 0
             qsl = np.arange(65, dtype=np.int32) * (32 if prefill else 1)
@@ -1460,20 +1458,26 @@ def test_unsupported_requests_fail_with_a_reason():
     engine = Engine()
     engine.session.enable_stream(HS)
     engine.session.enable_stream(AH, reduce="last")
-    n2 = Req(num=0, prompt=[1, 2], gen=[], n=2)
+    # A payload a client can send that json or numpy cannot take (nested past the recursion
+    # limit, an int past int64) fails its request; it used to raise out of the step and kill
+    # the engine.
+    too_deep = Req(num=0, prompt=[1, 2], gen=[], capture="[" * 100_000)
     per_request = Req(num=1, prompt=[1, 2], gen=[], capture={"prompt": "all"})
     bad_wire = Req(num=2, prompt=[1, 2], gen=[], capture={"prompt": "most"})
     good = Req(num=3, prompt=[1, 2], gen=[])
-    engine.step([(n2, 2), (per_request, 2), (bad_wire, 2), (good, 2)])
-    with pytest.raises(RuntimeError, match="n=1"):
-        engine.session.fetch_stream(HS, req_ids=[n2.rid])
+    huge = Req(num=4, prompt=[1, 2], gen=[], capture=json.dumps({"prompt_positions": [10**30]}))
+    engine.step([(too_deep, 2), (per_request, 2), (bad_wire, 2), (good, 2), (huge, 2)])
+    with pytest.raises(RuntimeError, match="invalid extra_args"):
+        engine.session.fetch_stream(HS, req_ids=[too_deep.rid])
     with pytest.raises(RuntimeError, match="invalid extra_args"):
         engine.session.fetch_stream(HS, req_ids=[bad_wire.rid])
+    with pytest.raises(RuntimeError, match="prompt_positions.*out of range"):
+        engine.session.fetch_stream(HS, req_ids=[huge.rid])
     with pytest.raises(RuntimeError, match="per-request selection cannot combine"):
         engine.session.fetch_stream(AH, req_ids=[per_request.rid])
     tensors, metas = engine.fetch(HS, req_ids=[per_request.rid, good.rid])
     assert sorted(set(metas[0].req_ids)) == sorted([per_request.rid, good.rid])
-    assert engine.session.stream_status(HS)["failed_reqs"] == 2
+    assert engine.session.stream_status(HS)["failed_reqs"] == 3
 
 
 # ---- 6. request index recycling ------------------------------------------------------------------

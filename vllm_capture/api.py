@@ -35,7 +35,7 @@ def LLM(model: str, *, capture_components: Sequence[str] = COMPONENTS,
         extra["reduce_slots"] = capture_reduce_slots
     if capture_fork_hidden_states:
         extra["fork_hidden_states"] = True
-    return VllmLLM(model=model, **engine_kwargs(components=tuple(capture_components), **extra,
+    return VllmLLM(model=model, **engine_kwargs(components=capture_components, **extra,
                                                  **llm_kwargs))
 
 
@@ -57,11 +57,19 @@ def _rpc(llm, method: str, *args) -> list[dict]:
 
 
 def start_capture(llm, stream: str = HIDDEN_STATES, **config) -> dict:
+    """Enable ``stream`` on every worker with ``config`` (StreamConfig's arguments: ``layers``,
+    ``dtype``, ``reduce``, ``select``, ``budget_rows``); returns rank 0's ``capture_status``."""
     return _by_rank(_rpc(llm, "start_capture", stream, config))[0]
 
 
 def stop_capture(llm, stream: str = HIDDEN_STATES) -> None:
+    """Disable ``stream`` on every worker, dropping what it holds: fetch its rows first."""
     _rpc(llm, "stop_capture", stream)
+
+
+def clear_captured(llm, stream: str = HIDDEN_STATES) -> None:
+    """Drop ``stream``'s stored rows and errors on every worker without fetching them."""
+    _rpc(llm, "clear_captured", stream)
 
 
 def capture_status(llm, stream: str = HIDDEN_STATES, all_ranks: bool = False):
@@ -334,6 +342,8 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
 
     if stream not in COMPONENTS:
         raise ValueError(f"stream: unknown {stream!r}; choose one of {list(COMPONENTS)}")
+    if isinstance(prompts, (str, dict)):  # list() would make each character or key a prompt
+        raise ValueError(f"prompts: expected a list of prompts, got one {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts: empty")
@@ -347,6 +357,9 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
     if sampling_params is None:
         sampling_kwargs.setdefault("temperature", 0.0)
         sampling_params = SamplingParams(max_tokens=max_tokens, **sampling_kwargs)
+    elif not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params: expected one vllm.SamplingParams, got "
+                         f"{type(sampling_params).__name__}")
     elif sampling_kwargs:
         raise ValueError(f"pass either sampling_params or sampling keywords, not both "
                          f"({sorted(sampling_kwargs)})")
@@ -389,8 +402,8 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
 def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
                     per_prompt_selects: Sequence | None = None, **kwargs) -> Iterator[CaptureResult]:
     """``capture()`` over consecutive batches: memory stays bounded by one batch's rows."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
     prompts = list(prompts)
     for start in range(0, len(prompts), batch_size):
         chunk_selects = None

@@ -915,7 +915,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'last' (last prompt row, default), 'all' (every prompt row, plus "
                    "generated rows with --max-tokens > 1) or a SelectSpec JSON object")
     e.add_argument("--storage-dtype", default=None,
-                   help="float32, float16 or bfloat16 (default: the model's dtype)")
+                   help="float32, float16 or bfloat16 (default: the engine's dtype; vLLM runs a "
+                        "float32 checkpoint in bfloat16 unless --dtype float32)")
     e.add_argument("--max-tokens", type=int, default=1,
                    help="tokens to generate per prompt (N gives N-1 generated rows; default 1)")
     e.add_argument("--batch-size", type=int, default=32, help="prompts per capture call (32)")

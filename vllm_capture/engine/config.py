@@ -33,6 +33,9 @@ class EngineCaptureConfig:
     version: int = field(default=CONFIG_VERSION)
 
     def __post_init__(self):
+        if isinstance(self.components, str):  # tuple() would split it into letters
+            raise ValueError(f"components: expected a list of component names, got the string "
+                             f"{self.components!r}; choose from {list(COMPONENTS)}")
         comps = tuple(self.components)
         bad = [c for c in comps if c not in COMPONENTS]
         if not comps or bad:
@@ -72,7 +75,7 @@ class EngineCaptureConfig:
 def engine_kwargs(components=COMPONENTS, buffer_bytes: int | None = None,
                   reduce_slots: int = 256, fork_hidden_states: bool = False, **llm_kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` (or ``AsyncEngineArgs``) that make it capture-ready."""
-    cfg = EngineCaptureConfig(tuple(components), buffer_bytes, reduce_slots,
+    cfg = EngineCaptureConfig(components, buffer_bytes, reduce_slots,
                               fork_hidden_states=fork_hidden_states)
     additional = dict(llm_kwargs.pop("additional_config", None) or {})
     additional[CONFIG_KEY] = cfg.to_dict()

@@ -149,11 +149,19 @@ def _field_error(name: str, message: str) -> ValueError:
     return ValueError(f"SelectSpec.{name}: {message}")
 
 
+# Token ids and positions travel as int32 label columns; a larger value can match nothing, and
+# past int64 numpy cannot even hold it (the worker would raise inside a step).
+_INT_LIMIT = 2 ** 31
+
+
 def _as_int(name: str, value: Any) -> int:
     # bool is an int subclass, but True as a token id or position is always a caller bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _field_error(name, f"expected an int, got {value!r} ({type(value).__name__})")
-    return int(value)
+    value = int(value)
+    if not -_INT_LIMIT < value < _INT_LIMIT:
+        raise _field_error(name, f"{value} is out of range (|value| must be below 2**31)")
+    return value
 
 
 def _int_list(name: str, value: Any, minimum: int | None) -> tuple[int, ...]:

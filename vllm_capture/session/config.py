@@ -6,9 +6,12 @@ checked up front with a message naming it: a bad value must fail
 """
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm_capture.selection import SelectSpec
 
 logger = logging.getLogger("vllm_capture")
 
@@ -63,7 +66,7 @@ class StreamConfig:
     """Per-stream capture configuration.
 
     Row selection uses the shared ``SelectSpec`` where-clause language
-    (``select``, its ``to_wire()`` dict) — the same clause semantics steering
+    (``select``: a SelectSpec or its ``to_wire()`` dict, kept as the dict) — the same clause semantics steering
     resolves, so "which rows to capture" and "which tokens to steer" mean the
     same thing. ``reduce`` applies a within-sample reduction ("all" | "last" |
     "mean"); ``budget_rows`` caps the rows held per layer.
@@ -74,7 +77,7 @@ class StreamConfig:
         layers: list[int] | None = None,
         dtype: str | torch.dtype | None = None,
         reduce: str = "all",
-        select: dict | None = None,
+        select: "SelectSpec | dict | None" = None,
         budget_rows: int | None = None,
     ):
         if not isinstance(reduce, str) or reduce not in _REDUCTIONS:

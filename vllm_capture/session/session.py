@@ -250,9 +250,13 @@ class CaptureSession:
 
     # ---- stream control (RPCs) ------------------------------------------------------------------
 
+    def _check_stream(self, stream) -> None:
+        if not isinstance(stream, str) or stream not in self._streams:
+            raise ValueError(f"stream: unknown capture stream {stream!r}; choose one of "
+                             f"{list(COMPONENTS)}")
+
     def enable_stream(self, stream: str, **config_kwargs) -> None:
-        if stream not in self._streams:
-            raise ValueError(f"Unknown capture stream: {stream!r}; choose one of {list(COMPONENTS)}")
+        self._check_stream(stream)
         if self.graph_state is None or not self.graph_state.ready:
             raise RuntimeError(
                 "Capture hooks are not attached to this model; attachment happens once at model "
@@ -284,8 +288,7 @@ class CaptureSession:
         self.graph_state.set_enabled(stream, set() if stream in self._rank0_only else config.layers)
 
     def disable_stream(self, stream: str) -> None:
-        if stream not in self._streams:
-            raise ValueError(f"Unknown capture stream: {stream!r}")
+        self._check_stream(stream)
         if self._streams[stream] is not None:
             self._wait_harvest()
             self.graph_state.set_enabled(stream, set())
@@ -298,10 +301,11 @@ class CaptureSession:
     def fetch_stream(self, stream: str, clear: bool = True, layers: list[int] | None = None,
                      req_ids: list[str] | None = None, raw_data: bool = False
                      ) -> dict[int, dict[str, Any]]:
-        st = self._streams.get(stream)
+        self._check_stream(stream)
+        if not isinstance(clear, bool):
+            raise ValueError(f"clear: expected True or False, got {clear!r}")
+        st = self._streams[stream]
         if st is None:
-            if stream not in self._streams:
-                raise ValueError(f"Unknown capture stream: {stream!r}")
             return {}
         t0 = time.perf_counter()
         if st.config.reduce != "all":
@@ -344,14 +348,14 @@ class CaptureSession:
         self._host_s[name] += seconds
 
     def clear_stream(self, stream: str) -> None:
-        st = self._streams.get(stream)
+        self._check_stream(stream)
+        st = self._streams[stream]
         if st is not None:
             self._wait_harvest()
             st.store.clear()
 
     def stream_status(self, stream: str) -> dict[str, Any]:
-        if stream not in self._streams:
-            raise ValueError(f"Unknown capture stream: {stream!r}")
+        self._check_stream(stream)
         gs = self.graph_state
         execution = {
             "layouts": {int(k): dict(v) for k, v in self._layouts.get(stream, {}).items()},
@@ -430,10 +434,8 @@ class CaptureSession:
         if raw is not None:
             try:
                 info.selects = _parse_request_selects(raw)
-            except ValueError as exc:
+            except Exception as exc:  # a client's payload fails its request, never the engine
                 self._unsupported_requests[req_id] = f"invalid extra_args[{EXTRA_ARGS_KEY!r}]: {exc}"
-        if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
-            self._unsupported_requests[req_id] = "capture supports n=1 requests only"
         self._requests[req_id] = info
 
     def finish_requests(self, req_ids) -> None:

@@ -1024,13 +1024,12 @@ class StreamStore:
         elided = sorted(rid for rid in self.elided_reqs if concerned(rid))
         if elided:
             raise RuntimeError(
-                "prefix-cache hits skipped recomputation of the prompt "
-                f"head for request(s) {elided[:5]}; their early "
-                "rows were never computed, so this capture is "
-                "incomplete. Submit capture requests with "
-                "SamplingParams(skip_reading_prefix_cache=True), "
-                "fetch with req_ids excluding them, or "
-                "clear the stream."
+                f"request(s) {elided[:5]}: positions their selection wanted were never "
+                "captured (a prefix-cache hit skipped computing them, on admission or on "
+                "resuming after preemption, or the stream started after the request), so "
+                "this capture is incomplete. Submit capture requests with "
+                "SamplingParams(skip_reading_prefix_cache=True) after starting the stream, "
+                "fetch with req_ids excluding them, or clear the stream."
             )
 
     def _indices_for(self, req_ids: list[str]) -> set[int]:
