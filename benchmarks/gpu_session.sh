@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | eager-launch | nodes | fork-check | bench-1b-forked | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -245,24 +245,6 @@ PY
     for t in 64 256; do
       timeout 150 python3 benchmarks/capture_nodes.py --tokens $t ${NODES_ARGS:-} 2>&1 | tee -a "$OUT/capture_nodes.log" | grep -E "^\{"
     done
-    ;;
-  fork-check)
-    # capture_fork_hidden_states (experimental, capture_graph/forked.py), before any benchmark:
-    # the last-token kernel forked beside a stand-in layer's matmul (no engine), then the tiny
-    # Llama's rows with the fork against the op's eager path (no graphs: bit-identical expected)
-    # and HF.
-    for t in 64 256; do
-      timeout 150 python3 benchmarks/capture_nodes.py --forked --tokens $t --width 2048 --layers 16 2>&1 | tee -a "$OUT/capture_nodes.log" | grep -E "^\{"
-    done
-    run llama_nograph --model llama --mode nograph
-    run llama_fork --model llama --mode graph --fork
-    compare llama_fork llama --against nograph=/tmp/llama_nograph.pt
-    ;;
-  bench-1b-forked)
-    # The 1B's last token with and without the fork, side by side with vanilla (REPS, the second
-    # argument: 40 a scenario; about 8 minutes with the three engines' start).
-    python3 benchmarks/run.py --suite quick --scenarios vanilla,idle,hidden-last,hidden-last-forked \
-      --reps ${2:-40} --budget-s 420 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 26
     ;;
   startup)
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.

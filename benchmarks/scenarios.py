@@ -172,14 +172,12 @@ class Engine:
     name: str
     capture: bool
     eager: bool
-    fork: bool = False  # capture_fork_hidden_states (experimental)
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("vanilla-graph", capture=False, eager=False),   # the baseline
     Engine("vanilla-graph-b", capture=False, eager=False),  # the control: a second baseline
     Engine("capture-graph", capture=True, eager=False),
-    Engine("capture-graph-forked", capture=True, eager=False, fork=True),
     Engine("capture-eager", capture=True, eager=True),
     Engine("vanilla-eager", capture=False, eager=True),
 )}
@@ -188,10 +186,6 @@ IDLE = "idle"  # capture installed, no stream: the reference for capture's own c
 # A second vanilla engine beside the first: how far two engines of one kind sit apart in a run
 # (named only; on the 1B's host-bound step idle read 0.916-1.024 across runs).
 CONTROL = "vanilla-b"
-# Last-token capture with each kernel forked beside the next layer (capture_fork_hidden_states,
-# experimental): run only when named, as the control.
-FORKED = "hidden-last-forked"
-OPT_IN = (CONTROL, FORKED)
 
 
 @dataclass(frozen=True)
@@ -242,9 +236,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     *(Scenario(n, "capture-graph", c, moe, heavy, note) for n, c, moe, heavy, note in _CAPTURES),
     *(Scenario(f"eager-{n}", "capture-eager", c, moe, heavy, f"{note}, enforce_eager=True")
       for n, c, moe, heavy, note in _CAPTURES),
-    Scenario(FORKED, "capture-graph-forked", Capture(HIDDEN, "all", "last"),
-             note="last token, hidden states, all layers, each kernel forked beside the next "
-                  "layer in FULL graphs (experimental)"),
 )}
 
 
@@ -296,7 +287,7 @@ class Suite:
         return max(w.concurrency for w in self.workloads)
 
 
-_ALL = tuple(n for n in SCENARIOS if n not in OPT_IN)
+_ALL = tuple(n for n in SCENARIOS if n != CONTROL)
 # Under 3 minutes with start-up (2 engines, 158-170 s on the H200); eager engines in `full`.
 _QUICK = (BASELINE, IDLE, "hidden-last", "hidden-4l")
 
@@ -382,8 +373,6 @@ def engine_kwargs(suite: Suite, shape: ModelShape, engine: str) -> dict:
     if e.capture:
         kw["capture_buffer_bytes"] = ring_buffer_bytes(shape, suite.max_num_batched_tokens,
                                                        dtype_bytes(suite, shape))
-    if e.fork:
-        kw["capture_fork_hidden_states"] = True
     return kw
 
 
@@ -508,7 +497,7 @@ def select(suite: Suite, engines: str | None = None, workloads: str | None = Non
 
     if scenarios:
         keep = [s.strip() for s in scenarios.split(",") if s.strip()]
-        known = (*suite.scenarios, *OPT_IN)  # every suite runs these when they are named
+        known = (*suite.scenarios, CONTROL)  # every suite runs the control when it is named
         bad = [s for s in keep if s not in known]
         if bad:
             raise ValueError(f"--scenarios: unknown {bad}; this suite has {list(known)}")

@@ -1417,19 +1417,6 @@ def test_the_control_engine_runs_when_named():
     assert kw["gpu_memory_utilization"] == round(named.gpu_memory_utilization / 3, 3)
 
 
-def test_the_forked_capture_engine_runs_when_named_and_differs_only_by_the_fork():
-    for suite in (S.make_suite("quick"), S.make_suite("full")):
-        assert S.FORKED not in suite.scenarios
-    named = S.select(S.make_suite("quick"), scenarios="vanilla,idle,hidden-last,hidden-last-forked")
-    shape = S.MODELS["1b"]
-    assert S.engine_groups(named, shape) == [["capture-graph", "capture-graph-forked",
-                                              "vanilla-graph"]]
-    forked = S.engine_kwargs(named, shape, "capture-graph-forked")
-    assert forked.pop("capture_fork_hidden_states") is True
-    assert forked == S.engine_kwargs(named, shape, "capture-graph")
-    assert S.SCENARIOS[S.FORKED].capture == S.SCENARIOS["hidden-last"].capture
-
-
 def test_summarize_without_baseline_gives_no_ratio():
     t = R.summarize(_m("idle", 900.0))
     assert t["decode-c64"]["idle"]["ratio"] is None

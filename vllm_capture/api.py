@@ -21,11 +21,8 @@ from vllm_capture.session.wire import CaptureMeta, deserialize_captured, match_c
 
 def LLM(model: str, *, capture_components: Sequence[str] = COMPONENTS,
         capture_buffer_bytes: int | None = None, capture_reduce_slots: int | None = None,
-        capture_fork_hidden_states: bool = False, **llm_kwargs):
-    """A ``vllm.LLM`` with capture installed (graphs and compilation stay as vLLM sets them).
-
-    ``capture_fork_hidden_states`` (experimental): in FULL CUDA graphs, each hidden-state
-    kernel runs on a second stream beside the next layer instead of between the two."""
+        **llm_kwargs):
+    """A ``vllm.LLM`` with capture installed (graphs and compilation stay as vLLM sets them)."""
     from vllm import LLM as VllmLLM
 
     extra = {}
@@ -33,8 +30,6 @@ def LLM(model: str, *, capture_components: Sequence[str] = COMPONENTS,
         extra["buffer_bytes"] = capture_buffer_bytes
     if capture_reduce_slots is not None:
         extra["reduce_slots"] = capture_reduce_slots
-    if capture_fork_hidden_states:
-        extra["fork_hidden_states"] = True
     return VllmLLM(model=model, **engine_kwargs(components=capture_components, **extra,
                                                  **llm_kwargs))
 

@@ -61,8 +61,6 @@ def run(args) -> None:
         kwargs["enforce_eager"] = True
     elif args.mode == "nograph":
         kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
-    if args.fork:
-        kwargs["capture_fork_hidden_states"] = True
     t0 = time.time()
     llm = vc.LLM(str(path), **kwargs) if args.capture else __import__("vllm").LLM(str(path), **kwargs)
     init_s = time.time() - t0
@@ -390,8 +388,6 @@ def main() -> None:
     r.add_argument("--v1", action="store_true")
     r.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     r.add_argument("--no-capture", dest="capture", action="store_false")
-    r.add_argument("--fork", action="store_true",
-                   help="capture_fork_hidden_states: hidden-state kernels forked in FULL graphs")
     r.add_argument("--prompts", type=int, default=48)
     r.add_argument("--max-tokens", type=int, default=16)
     r.add_argument("--batched-tokens", type=int, default=256)

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from vllm_capture.capture_graph import graph_nodes
-from vllm_capture.capture_graph.forked import ForkedLaunches
 from vllm_capture.kernels import compile_variants, launch_capture, warmup
 from vllm_capture.kernels import layout as L
 
@@ -50,8 +49,6 @@ class Site:
     acc_count: torch.Tensor | None = None
     eager_executions: int = 0
     enabled: bool = False  # host mirror of counter[1]
-    # Launched on a side stream in FULL graph captures, joined in the next layer (forked.py).
-    fork: bool = False
 
 
 @dataclass
@@ -142,8 +139,6 @@ class CaptureGraphState:
     # The capture kernels' nodes in captured CUDA graphs, left out of replays while their site
     # is off (CUDA only; see graph_nodes).
     nodes: graph_nodes.GraphNodes | None = None
-    # Forked launches of the sites with ``fork`` set (None: every launch on the current stream).
-    forks: ForkedLaunches | None = None
     # What preparing the kernels took (ms): compiling on a thread, and what the first launch
     # waited for (the thread's end, then loading each variant).
     startup_ms: dict[str, float] = field(default_factory=dict)
@@ -165,10 +160,6 @@ class CaptureGraphState:
         counter = L.new_site_buffer(self.device, enabled=False)
         self.sites[counter.data_ptr()] = Site(component, layer_id, layer_name, width, dtype, counter)
         return counter
-
-    def fork_site(self, counter: torch.Tensor) -> None:
-        """Launch this site's kernel forked in FULL graph captures: the next layer joins it."""
-        self.sites[counter.data_ptr()].fork = True
 
     def sites_of(self, component: str) -> list[Site]:
         return sorted((s for s in self.sites.values() if s.component == component),
@@ -398,8 +389,6 @@ class CaptureGraphState:
 
         A step leaves its plan on the device (a replay reads it before the host would know the
         forward ended), so the runner wrappers call this before each of those runs instead."""
-        if self.forks is not None:
-            self.forks.reset()
         for buf in self.streams.values():
             if buf.mode != L.MODE_OFF:
                 buf.mode, buf.count, buf.step = L.MODE_OFF, 0, 0
@@ -422,25 +411,10 @@ class CaptureGraphState:
             site.eager_executions += 1
             self.step_eager_launches += 1
             self.await_kernels()
-        elif site.fork and self.forks is not None and self.forks.launch(
-                counter.data_ptr(), x, residual,
-                lambda: self._launch(site, buf, x, residual, counter, capturing)):
-            return
-        self._launch(site, buf, x, residual, counter, capturing)
-
-    def _launch(self, site: Site, buf: StreamPlanBuffers, x: torch.Tensor,
-                residual: torch.Tensor | None, counter: torch.Tensor, capturing: bool) -> None:
         launch_capture(x, residual, self.input_ids, buf.meta, buf.plan, counter, site.ring,
                        site.ring_labels, site.acc, site.acc_labels, site.acc_count)
         if capturing and self.nodes is not None:
-            # On the stream it was launched on: a forked launch's node is the side stream's.
             self.nodes.note_launch(counter.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream)
-
-    def join(self, x: torch.Tensor, residual: torch.Tensor | None, counter: torch.Tensor) -> None:
-        """The join op's body: the current stream waits for the kernel forked at ``counter``'s
-        site, which read ``x`` and ``residual``."""
-        if self.forks is not None:
-            self.forks.join(counter.data_ptr(), x, residual)
 
     def drain(self, component: str, order: np.ndarray | None = None) -> DrainedRows | None:
         """Enqueue the copy of every pending ring row of ``component`` to host memory.

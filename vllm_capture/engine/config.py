@@ -27,9 +27,6 @@ class EngineCaptureConfig:
     # Requests that can hold a last/mean accumulator at once.
     reduce_slots: int = 256
     ring_slots: int = 2
-    # Experimental: hidden-state kernels forked beside the next layer in FULL CUDA graphs
-    # (capture_graph/forked.py).
-    fork_hidden_states: bool = False
     version: int = field(default=CONFIG_VERSION)
 
     def __post_init__(self):
@@ -47,8 +44,6 @@ class EngineCaptureConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if not isinstance(self.fork_hidden_states, bool):
-            raise ValueError(f"fork_hidden_states: expected a bool, got {self.fork_hidden_states!r}")
         if self.version != CONFIG_VERSION:
             raise ValueError(f"version: this vllm-capture speaks config version {CONFIG_VERSION}, "
                              f"got {self.version!r}")
@@ -73,10 +68,9 @@ class EngineCaptureConfig:
 
 
 def engine_kwargs(components=COMPONENTS, buffer_bytes: int | None = None,
-                  reduce_slots: int = 256, fork_hidden_states: bool = False, **llm_kwargs) -> dict:
+                  reduce_slots: int = 256, **llm_kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` (or ``AsyncEngineArgs``) that make it capture-ready."""
-    cfg = EngineCaptureConfig(components, buffer_bytes, reduce_slots,
-                              fork_hidden_states=fork_hidden_states)
+    cfg = EngineCaptureConfig(components, buffer_bytes, reduce_slots)
     additional = dict(llm_kwargs.pop("additional_config", None) or {})
     additional[CONFIG_KEY] = cfg.to_dict()
     existing = llm_kwargs.pop("worker_extension_cls", None)

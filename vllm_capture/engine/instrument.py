@@ -14,7 +14,6 @@ Capture points:
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass
 
@@ -24,10 +23,6 @@ from torch import nn
 from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
 
 SITE_BUFFER = "_vllm_capture_site"
-# On a decoder layer that joins the kernel forked at the layer before it (capture_graph/forked.py):
-# that layer's site tensor, and where this layer's forward takes hidden_states and residual.
-JOIN_SITE_BUFFER = "_vllm_capture_join_site"
-JOIN_ARGS = "_vllm_capture_join_args"
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
 
@@ -101,13 +96,6 @@ def _captured_subclass(cls: type, component: str) -> type:
     if component == HIDDEN_STATES:
         def forward(self, *args, **kwargs):
             out = super(sub, self).forward(*args, **kwargs)
-            join_site = getattr(self, JOIN_SITE_BUFFER, None)
-            if join_site is not None:
-                hidden_at, residual_at = getattr(self, JOIN_ARGS)
-                torch.ops.vllm_capture.join(join_site,
-                                            _argument(args, kwargs, "hidden_states", hidden_at),
-                                            _argument(args, kwargs, "residual", residual_at),
-                                            out[0] if isinstance(out, tuple) else out)
             if isinstance(out, tuple) and len(out) == 2 and out[1] is not None:
                 torch.ops.vllm_capture.capture(out[0], out[1], getattr(self, SITE_BUFFER))
             else:
@@ -130,41 +118,9 @@ def _captured_subclass(cls: type, component: str) -> type:
     return sub
 
 
-def _argument(args: tuple, kwargs: dict, name: str, at: int):
-    """A forward's argument ``name``, passed by keyword or at position ``at`` (-1: none)."""
-    if name in kwargs:
-        return kwargs[name]
-    return args[at] if 0 <= at < len(args) else None
-
-
-def _join_args(layer: nn.Module) -> tuple[int, int] | None:
-    """Positions of ``hidden_states`` and ``residual`` (-1: none) among the decoder layer's
-    forward arguments, or None where it takes no ``hidden_states`` (it cannot join)."""
-    names = [p.name for p in inspect.signature(type(layer).forward).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # without self
-    if "hidden_states" not in names:
-        return None
-    return names.index("hidden_states"), names.index("residual") if "residual" in names else -1
-
-
-def instrument(targets: list[Target], add_site, fork_site=None) -> None:
-    """Give every target its site tensor (from ``add_site``) and swap in the capturing class.
-
-    With ``fork_site``, each hidden-state site whose next layer can join it (it is instrumented
-    and takes ``hidden_states``) is handed to ``fork_site``, and that next layer joins it.
-    """
-    hidden = {}  # layer id -> (site tensor, decoder layer, where its forward takes its inputs)
+def instrument(targets: list[Target], add_site) -> None:
+    """Give every target its site tensor (from ``add_site``) and swap in the capturing class."""
     for t in targets:
         counter = add_site(t.component, t.layer_id, t.name, t.width, t.dtype)
-        if t.component == HIDDEN_STATES and fork_site is not None:
-            # Read from the model's own class, before the swap.
-            hidden[t.layer_id] = (counter, t.module, _join_args(t.module))
         t.module.register_buffer(SITE_BUFFER, counter, persistent=False)
         t.module.__class__ = _captured_subclass(type(t.module), t.component)
-    for layer_id, (_, layer, args) in hidden.items():
-        before = hidden.get(layer_id - 1)
-        if before is None or args is None:
-            continue
-        layer.register_buffer(JOIN_SITE_BUFFER, before[0], persistent=False)
-        setattr(layer, JOIN_ARGS, args)
-        fork_site(before[0])

@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from vllm_capture.capture_graph.forked import CudaStreams, ForkedLaunches
 from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.engine.config import EngineCaptureConfig
 from vllm_capture.engine.instrument import find_targets, instrument
@@ -85,12 +84,8 @@ def install(worker) -> CaptureSession | None:
     max_seqs = int(worker.vllm_config.scheduler_config.max_num_seqs)
     state = CaptureGraphState(device=device, capacity=_capacity(cfg, targets, worker.vllm_config),
                               ring_slots=cfg.ring_slots, acc_slots=min(cfg.reduce_slots, max_seqs))
-    # The joins are traced on every device; only CUDA graphs fork (a CPU step is eager).
-    instrument(targets, state.add_site,
-               fork_site=state.fork_site if cfg.fork_hidden_states else None)
+    instrument(targets, state.add_site)
     state.allocate()
-    if cfg.fork_hidden_states and device.type == "cuda":
-        state.forks = ForkedLaunches(CudaStreams(state.device))
     # vLLM sizes the KV cache from memory measured while weights load and during profiling;
     # buffers allocated in between are invisible to it unless counted as model memory.
     if hasattr(runner, "model_memory_usage"):
@@ -104,7 +99,7 @@ def install(worker) -> CaptureSession | None:
     session = CaptureSession(state, layouts,
                              rank0_only=() if rank == 0 else REPLICATED_COMPONENTS)
     state.set_input_ids(wrap_runner(runner, session))  # starts compiling the kernel variants
-    set_site_handler(state.handle, join=state.join)
+    set_site_handler(state.handle)
     setattr(worker, SESSION_ATTR, session)
     session.startup_ms["install"] = round((time.perf_counter() - started) * 1e3, 1)
     logger.info("vllm-capture: %d call sites instrumented (%s), %d rows/step, %.1f MiB of buffers",

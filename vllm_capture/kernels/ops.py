@@ -1,5 +1,4 @@
-"""The custom op that every instrumented call site calls: ``torch.ops.vllm_capture.capture``
-(and ``torch.ops.vllm_capture.join``, where hidden-state kernels are forked: capture_graph/forked.py).
+"""The custom op that every instrumented call site calls: ``torch.ops.vllm_capture.capture``.
 
 Why a custom op: Dynamo traces the call into vLLM's compiled graph and Inductor keeps it (it mutates
 ``site``), so under CUDA graphs the kernels it launched at capture time are replayed on every step,
@@ -20,15 +19,13 @@ import torch
 SiteHandler = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], None]
 
 _handler: SiteHandler | None = None
-_join_handler: SiteHandler | None = None
 _LIB: torch.library.Library | None = None
 
 
-def set_site_handler(handler: SiteHandler | None, join: SiteHandler | None = None) -> None:
-    """Route op calls to ``handler`` (the worker's CaptureGraphState) and join calls to ``join``;
-    None makes the op a no-op."""
-    global _handler, _join_handler
-    _handler, _join_handler = handler, join
+def set_site_handler(handler: SiteHandler | None) -> None:
+    """Route op calls to ``handler`` (the worker's CaptureGraphState); None makes the op a no-op."""
+    global _handler
+    _handler = handler
 
 
 def _capture(x: torch.Tensor, residual: Optional[torch.Tensor], site: torch.Tensor) -> None:
@@ -40,23 +37,8 @@ def _capture_fake(x: torch.Tensor, residual: Optional[torch.Tensor], site: torch
     return None
 
 
-def _join(site: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
-          after: torch.Tensor) -> None:
-    """``vllm_capture::join``: the next layer's end waits for a kernel forked at ``site``.
-    ``x`` and ``residual`` are what that kernel reads (kept alive until here); ``after`` is the
-    next layer's output (so the join comes after that layer's work)."""
-    if _join_handler is not None:
-        _join_handler(x, residual, site)
-
-
-def _join_fake(site: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
-               after: torch.Tensor) -> None:
-    return None
-
-
 def register_op() -> None:
-    """Register ``vllm_capture::capture`` and ``::join`` once per process (before any model is
-    traced)."""
+    """Register ``vllm_capture::capture`` once per process (before any model is traced)."""
     global _LIB
     if _LIB is not None or hasattr(torch.ops.vllm_capture, "capture"):
         return
@@ -70,11 +52,4 @@ def register_op() -> None:
         fake_impl=_capture_fake,
         target_lib=_LIB,
         tags=(torch.Tag.needs_fixed_stride_order,),
-    )
-    direct_register_custom_op(
-        "join",
-        _join,
-        mutates_args=["site"],
-        fake_impl=_join_fake,
-        target_lib=_LIB,
     )
