@@ -66,9 +66,9 @@ class StreamConfig:
     """Per-stream capture configuration.
 
     Row selection uses the shared ``SelectSpec`` where-clause language
-    (``select``: a SelectSpec or its ``to_wire()`` dict, kept as the dict) — the same clause semantics steering
-    resolves, so "which rows to capture" and "which tokens to steer" mean the
-    same thing. ``reduce`` applies a within-sample reduction ("all" | "last" |
+    (``select``: a SelectSpec or its ``to_wire()`` dict, kept as the dict) —
+    the same clause semantics steering resolves, so "which rows to capture"
+    and "which tokens to steer" mean the same thing. ``reduce`` applies a within-sample reduction ("all" | "last" |
     "mean"); ``budget_rows`` caps the rows held per layer.
     """
 
