@@ -1174,6 +1174,26 @@ def test_fetching_a_reduce_stream_while_requests_run_keeps_the_step_path_alive()
     engine.step([(a, 1)])
 
 
+@pytest.mark.parametrize("reduce", ["last", "mean"])
+@pytest.mark.parametrize("bad", [{"req_ids": "17"}, {"layers": 0}])
+def test_a_refused_fetch_leaves_running_reductions_open(reduce, bad):
+    # A bare string as req_ids would match its characters ("7" is the request's client id);
+    # refused before the fetch closes anything, the reduction still covers every position.
+    engine = Engine(acc_slots=4)
+    ref = RefStream(HS, 2, reduce=reduce)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce=reduce)
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 5, 0], client="7")
+    engine.step([(a, 3)])
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        engine.session.fetch_stream(HS, **bad)
+    engine.step([(a, 1)])
+    engine.step([(a, 1)])
+    engine.step([(a, 1)])
+    engine.step([])
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid])
+
+
 def test_more_reduce_segments_than_ring_capacity():
     engine = Engine(capacity=2, acc_slots=4)
     ref = RefStream(HS, 4, reduce="mean")

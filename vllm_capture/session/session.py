@@ -40,7 +40,7 @@ from vllm_capture.selection import (
 from vllm_capture.session.components import COMPONENTS
 from vllm_capture.session.config import StreamConfig
 from vllm_capture.session.shm import WRITE_PARTS
-from vllm_capture.session.store import StreamStore
+from vllm_capture.session.store import StreamStore, check_fetch_filters
 
 logger = logging.getLogger("vllm_capture")
 
@@ -304,6 +304,7 @@ class CaptureSession:
         self._check_stream(stream)
         if not isinstance(clear, bool):
             raise ValueError(f"clear: expected True or False, got {clear!r}")
+        check_fetch_filters(layers, req_ids)  # before the fetch closes any open reduction
         st = self._streams[stream]
         if st is None:
             return {}

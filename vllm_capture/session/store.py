@@ -67,6 +67,20 @@ _append_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _ID_LISTS = (list, tuple, set, frozenset)
 
 
+def check_fetch_filters(layers: list[int] | None, req_ids: list[str] | None) -> None:
+    """Refuse a fetch's ``layers`` or ``req_ids`` that are not lists of ids, before the fetch
+    acts on anything (a bare string would match its characters as request ids)."""
+    if layers is not None and (not isinstance(layers, _ID_LISTS) or not all(
+        isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
+    )):
+        raise ValueError(f"layers must be a list of layer ids, got {layers!r}")
+    if req_ids is not None and (
+        not isinstance(req_ids, _ID_LISTS)
+        or not all(isinstance(req_id, str) for req_id in req_ids)
+    ):
+        raise ValueError(f"req_ids must be a list of request id strings, got {req_ids!r}")
+
+
 class _Spans(NamedTuple):
     """Request spans of one layer, one entry per (chunk, request), as int64 arrays."""
 
@@ -920,12 +934,8 @@ class StreamStore:
         order — so a request's rows are contiguous and position-ordered for
         an ordinary generation.
         """
+        check_fetch_filters(layers, req_ids)
         with self.lock:
-            if req_ids is not None and (
-                not isinstance(req_ids, _ID_LISTS)
-                or not all(isinstance(req_id, str) for req_id in req_ids)
-            ):
-                raise ValueError(f"req_ids must be a list of request id strings, got {req_ids!r}")
             wanted = self._wanted_layers(layers)
             self._check_servable(req_ids)
             selected = None if req_ids is None else self._indices_for(req_ids)
@@ -1002,10 +1012,6 @@ class StreamStore:
     def _wanted_layers(self, layers: list[int] | None) -> list[int]:
         if layers is None:
             return sorted(self.chunks)
-        if not isinstance(layers, _ID_LISTS) or not all(
-            isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
-        ):
-            raise ValueError(f"layers must be a list of layer ids, got {layers!r}")
         return [layer for layer in dict.fromkeys(layers) if layer in self.chunks]
 
     def _check_servable(self, req_ids: list[str] | None) -> None:
