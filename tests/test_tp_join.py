@@ -61,9 +61,19 @@ def test_missing_rank_is_refused(full):
         join_shards(ATTENTION_HEADS, [_reply(0, 2, full, full)])
 
 
-def test_missing_layer_on_one_rank_is_refused(full):
-    replies = [_reply(0, 2, full, full), _reply(1, 2, {0: None}, full)]
-    with pytest.raises(RuntimeError, match="rank 1 has no rows for layer 3"):
+@pytest.mark.parametrize("rank0_layers, rank1_layers", [((0, 3), (0,)), ((0,), (0, 3))])
+def test_a_layer_missing_on_one_rank_is_refused(full, rank0_layers, rank1_layers):
+    replies = [_reply(0, 2, rank0_layers, full), _reply(1, 2, rank1_layers, full)]
+    with pytest.raises(RuntimeError, match=r"incomplete capture shards: rank 1 holds rows of "
+                                           rf"layers \[{', '.join(map(str, rank1_layers))}\]"):
+        join_shards(ATTENTION_HEADS, replies)
+
+
+def test_ranks_with_different_dtypes_are_refused(full):
+    half = {layer: t.half() for layer, t in full.items()}
+    replies = [_reply(0, 2, full, full), _reply(1, 2, full, half)]
+    with pytest.raises(RuntimeError, match="layer 0 are torch.float32 on rank 0 and "
+                                           "torch.float16 on rank 1"):
         join_shards(ATTENTION_HEADS, replies)
 
 

@@ -123,14 +123,18 @@ def join_shards(stream: str, replies: list[dict]):
     layouts = layouts_by_rank[0]
     if stream != ATTENTION_HEADS or tp_size == 1:
         return tensors, meta, layouts
+    for r, (t, _) in enumerate(decoded):
+        if set(t) != set(tensors):
+            raise RuntimeError(f"incomplete capture shards: rank {r} holds rows of layers "
+                               f"{sorted(t)}, rank 0 of layers {sorted(tensors)}")
     joined, joined_layouts = {}, {}
     for layer in tensors:
         parts = []
         for r, (t, m) in enumerate(decoded):
-            if layer not in t:
-                raise RuntimeError(f"incomplete capture shards: rank {r} has no rows for "
-                                   f"layer {layer}")
             other = m[layer]
+            if t[layer].dtype != tensors[layer].dtype:
+                raise RuntimeError(f"capture shards of layer {layer} are {tensors[layer].dtype} "
+                                   f"on rank 0 and {t[layer].dtype} on rank {r}")
             if (other.req_ids != meta[layer].req_ids
                     or not torch.equal(other.positions, meta[layer].positions)
                     or not torch.equal(other.token_ids, meta[layer].token_ids)):
