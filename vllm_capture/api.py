@@ -51,9 +51,24 @@ def _rpc(llm, method: str, *args) -> list[dict]:
         raise (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2)) from exc
 
 
+def _rpc_value(value):
+    """``value`` as vLLM's RPC encoder carries it: a torch dtype by its name, numpy ints, ranges
+    and arrays as Python ints and lists (the workers check what they are given)."""
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (list, tuple, set, frozenset, range)):
+        return [_rpc_value(v) for v in value]
+    return value
+
+
 def start_capture(llm, stream: str = HIDDEN_STATES, **config) -> dict:
     """Enable ``stream`` on every worker with ``config`` (StreamConfig's arguments: ``layers``,
     ``dtype``, ``reduce``, ``select``, ``budget_rows``); returns rank 0's ``capture_status``."""
+    config = {key: _rpc_value(value) for key, value in config.items()}
     return _by_rank(_rpc(llm, "start_capture", stream, config))[0]
 
 
@@ -88,7 +103,8 @@ def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
     one, is freed (then the file is reused by a later fetch); ``.clone()`` what you keep of a
     large fetch.
     """
-    replies = _rpc(llm, "fetch_captured", stream, clear, layers, req_ids, shm.client_probe())
+    replies = _rpc(llm, "fetch_captured", stream, clear, _rpc_value(layers), _rpc_value(req_ids),
+                   shm.client_probe())
     return join_shards(stream, shm.read_replies(replies))
 
 
@@ -326,7 +342,28 @@ def _owners(labels: list[str], client_index: dict[str, int], layer: int) -> np.n
     return np.fromiter(map(distinct.__getitem__, labels), dtype=np.int64, count=len(labels))
 
 
-def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: int = 1,
+def _prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):  # list() would make each character or key a prompt
+        raise ValueError(f"prompts: expected a list of prompts, got one {type(prompts).__name__}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts: empty")
+    return prompts
+
+
+def _select_list(per_prompt_selects, count: int) -> list:
+    """``per_prompt_selects`` as a list of one entry per prompt (read once: it may be an
+    iterator)."""
+    if isinstance(per_prompt_selects, (str, dict, SelectSpec)):
+        raise ValueError(f"per_prompt_selects: expected one entry per prompt (a SelectSpec, its "
+                         f"wire dict or None), got one {type(per_prompt_selects).__name__}")
+    selects = list(per_prompt_selects)
+    if len(selects) != count:
+        raise ValueError(f"per_prompt_selects: {len(selects)} entries for {count} prompts")
+    return selects
+
+
+def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: int | None = None,
             layers: list[int] | None = None, dtype: str | None = None,
             select: SelectSpec | dict | None = None,
             per_prompt_selects: Sequence[SelectSpec | dict | None] | None = None,
@@ -334,34 +371,32 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
             **sampling_kwargs) -> CaptureResult:
     """Generate ``prompts`` and return the captured rows, grouped per prompt.
 
-    Raises if any row was dropped (budget or buffer capacity), if a request failed or its prompt
-    rows were skipped by the prefix cache, and always stops the stream.
+    ``max_tokens`` (1 by default) and ``sampling_kwargs`` build greedy ``SamplingParams``; pass
+    ``sampling_params`` instead of them for any other. Raises if any row was dropped (budget or
+    buffer capacity), if a request failed or its prompt rows were skipped by the prefix cache, and
+    always stops the stream.
     """
     from vllm import SamplingParams
 
     if stream not in COMPONENTS:
         raise ValueError(f"stream: unknown {stream!r}; choose one of {list(COMPONENTS)}")
-    if isinstance(prompts, (str, dict)):  # list() would make each character or key a prompt
-        raise ValueError(f"prompts: expected a list of prompts, got one {type(prompts).__name__}")
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("prompts: empty")
+    prompts = _prompt_list(prompts)
     spec = _spec(select, "select")
     if per_prompt_selects is not None:
-        per_prompt = [_spec(s, f"per_prompt_selects[{i}]") for i, s in enumerate(per_prompt_selects)]
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"per_prompt_selects: {len(per_prompt)} entries for {len(prompts)} prompts")
+        per_prompt = [_spec(s, f"per_prompt_selects[{i}]")
+                      for i, s in enumerate(_select_list(per_prompt_selects, len(prompts)))]
     else:
         per_prompt = [None] * len(prompts)
     if sampling_params is None:
         sampling_kwargs.setdefault("temperature", 0.0)
-        sampling_params = SamplingParams(max_tokens=max_tokens, **sampling_kwargs)
+        sampling_params = SamplingParams(max_tokens=1 if max_tokens is None else max_tokens,
+                                         **sampling_kwargs)
     elif not isinstance(sampling_params, SamplingParams):
         raise ValueError(f"sampling_params: expected one vllm.SamplingParams, got "
                          f"{type(sampling_params).__name__}")
-    elif sampling_kwargs:
-        raise ValueError(f"pass either sampling_params or sampling keywords, not both "
-                         f"({sorted(sampling_kwargs)})")
+    elif max_tokens is not None or sampling_kwargs:
+        given = sorted(sampling_kwargs) + (["max_tokens"] if max_tokens is not None else [])
+        raise ValueError(f"pass either sampling_params or sampling keywords, not both ({given})")
     if sampling_params.n != 1:
         raise ValueError("sampling_params.n: capture supports n=1 only")
     params = []
@@ -400,13 +435,22 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
 
 def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
                     per_prompt_selects: Sequence | None = None, **kwargs) -> Iterator[CaptureResult]:
-    """``capture()`` over consecutive batches: memory stays bounded by one batch's rows."""
+    """``capture()`` over consecutive batches: memory stays bounded by one batch's rows.
+
+    The arguments are checked here, before the first batch runs."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    prompts = list(prompts)
+    prompts = _prompt_list(prompts)
+    if per_prompt_selects is not None:
+        per_prompt_selects = _select_list(per_prompt_selects, len(prompts))
+    return _batches(llm, prompts, batch_size, per_prompt_selects, kwargs)
+
+
+def _batches(llm, prompts: list, batch_size: int, per_prompt_selects: list | None,
+             kwargs: dict) -> Iterator[CaptureResult]:
     for start in range(0, len(prompts), batch_size):
         chunk_selects = None
         if per_prompt_selects is not None:
-            chunk_selects = list(per_prompt_selects)[start: start + batch_size]
+            chunk_selects = per_prompt_selects[start: start + batch_size]
         yield capture(llm, prompts[start: start + batch_size], per_prompt_selects=chunk_selects,
                       **kwargs)

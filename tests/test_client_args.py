@@ -1,0 +1,91 @@
+"""The client calls' argument handling, without an engine: what reaches the workers through
+vLLM's RPC encoder, and the checks capture() and capture_batches() make before any request."""
+
+import numpy as np
+import pytest
+import torch
+
+import vllm_capture as vc
+from vllm_capture.session.config import StreamConfig
+
+
+class _EncodingEngine:
+    """A vllm.LLM stand-in whose collective_rpc sends its arguments through vLLM's msgpack
+    encoder and decoder (the multiprocessing engine's way to its workers) and records them."""
+
+    def __init__(self, reply):
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        self.encoder, self.decoder = MsgpackEncoder(), MsgpackDecoder()
+        self.reply, self.calls = reply, []
+
+    def collective_rpc(self, method, args=()):
+        decoded = self.decoder.decode(self.encoder.encode((method, args)))
+        self.calls.append(decoded)
+        return [self.reply]
+
+
+class _NoEngine:
+    def collective_rpc(self, method, args=()):
+        raise AssertionError(f"{method} reached the engine: the arguments were not checked first")
+
+
+def test_start_capture_carries_torch_dtypes_and_numpy_layers_to_the_worker():
+    llm = _EncodingEngine({"tp_rank": 0})
+    vc.start_capture(llm, vc.HIDDEN_STATES, dtype=torch.bfloat16, layers=np.arange(2),
+                     budget_rows=np.int64(8))
+    _, (stream, config) = llm.calls[0]
+    worker_side = StreamConfig(**config)
+    assert stream == vc.HIDDEN_STATES
+    assert (worker_side.dtype, worker_side.layers, worker_side.budget_rows) == (
+        torch.bfloat16, {0, 1}, 8)
+    vc.start_capture(llm, vc.HIDDEN_STATES, layers=range(1, 3), dtype="fp16")
+    worker_side = StreamConfig(**llm.calls[1][1][1])
+    assert (worker_side.dtype, worker_side.layers) == (torch.float16, {1, 2})
+
+
+def test_fetch_carries_numpy_layer_ids_and_tuples_of_request_ids():
+    llm = _EncodingEngine({"tp_rank": 0, "tp_size": 1, "layers": {}})
+    assert vc.fetch_captured(llm, vc.HIDDEN_STATES, layers=[np.int32(3)],
+                             req_ids=("a", "b"))[0] == {}
+    _, (stream, clear, layers, req_ids, _) = llm.calls[0]
+    assert (stream, clear, layers, req_ids) == (vc.HIDDEN_STATES, True, [3], ["a", "b"])
+
+
+def test_max_tokens_with_sampling_params_is_refused():
+    from vllm import SamplingParams
+
+    with pytest.raises(ValueError, match=r"not both \(\['max_tokens'\]\)"):
+        vc.capture(_NoEngine(), ["a"], max_tokens=4, sampling_params=SamplingParams())
+    with pytest.raises(ValueError, match=r"not both \(\['seed', 'max_tokens'\]\)"):
+        vc.capture(_NoEngine(), ["a"], max_tokens=4, seed=1, sampling_params=SamplingParams())
+
+
+@pytest.mark.parametrize("call", [vc.capture, vc.capture_batches])
+@pytest.mark.parametrize("prompts, selects, match", [
+    ("hello", None, "prompts: expected a list of prompts, got one str"),
+    ([], None, "prompts: empty"),
+    (["a", "b", "c"], [None] * 4, "per_prompt_selects: 4 entries for 3 prompts"),
+    (["a", "b", "c"], [None] * 2, "per_prompt_selects: 2 entries for 3 prompts"),
+    (["a"], vc.SelectSpec.last_prompt_token(), "per_prompt_selects: expected one entry per prompt"),
+    (["a"], {"prompt": "all"}, "per_prompt_selects: expected one entry per prompt"),
+])
+def test_bad_prompts_or_selections_are_refused_before_any_request(call, prompts, selects, match):
+    with pytest.raises(ValueError, match=match):
+        call(_NoEngine(), prompts, per_prompt_selects=selects)
+
+
+def test_capture_batches_reads_an_iterator_of_selections_once(monkeypatch):
+    seen = []
+
+    def recording(llm, prompts, per_prompt_selects=None, **kwargs):
+        seen.append((list(prompts), per_prompt_selects))
+        return len(prompts)
+
+    monkeypatch.setattr(vc.api, "capture", recording)
+    selects = (vc.SelectSpec(prompt_positions=(i,)) for i in range(5))
+    batches = list(vc.capture_batches(_NoEngine(), list("abcde"), batch_size=2,
+                                      per_prompt_selects=selects))
+    assert batches == [2, 2, 1]
+    assert [p for p, _ in seen] == [["a", "b"], ["c", "d"], ["e"]]
+    assert [s.prompt_positions for _, batch in seen for s in batch] == [(i,) for i in range(5)]
