@@ -479,6 +479,41 @@ def test_a_file_is_never_reused_while_its_tensors_live():
         assert t.view(torch.uint8).equal(kept[layer].view(torch.uint8))
 
 
+def test_a_forked_child_keeps_its_rows_when_the_parent_fetches_again():
+    # A DataLoader worker forked while the parent holds fetched tensors reads them later.
+    first, first_path = _fetch(_store(seed=1))
+    kept = {layer: t.clone() for layer, t in first[0].items()}
+    ready_r, ready_w = os.pipe()
+    verdict_r, verdict_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        same = False
+        try:
+            os.read(ready_r, 1)
+            same = all(t.view(torch.uint8).equal(kept[layer].view(torch.uint8))
+                       for layer, t in first[0].items())
+            del first
+            gc.collect()  # the child's release leaves the parent's file and pool alone
+        finally:
+            os.write(verdict_w, b"1" if same else b"0")
+            os._exit(0)
+    try:
+        del first
+        gc.collect()
+        released_path_gone, pool_after_release = not os.path.exists(first_path), _pool()
+        second, second_path = _fetch(_store(seed=2))
+    finally:
+        os.write(ready_w, b"x")
+        verdict = os.read(verdict_r, 1)
+        os.waitpid(pid, 0)
+    assert verdict == b"1", "the child saw the second fetch's rows"
+    assert released_path_gone and not pool_after_release  # a child may map it: never pooled
+    assert os.path.exists(second_path)
+    del second
+    gc.collect()
+    assert len(_pool()) == 1  # files mapped after the fork are pooled again
+
+
 def test_the_pool_keeps_at_most_pool_files_and_pool_bytes(monkeypatch):
     monkeypatch.setattr(shm, "POOL_FILES", 1)
     held = [_fetch(_store(seed=seed)) for seed in range(3)]

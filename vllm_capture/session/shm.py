@@ -119,6 +119,26 @@ _MADV_DONTNEED = 4  # linux/mman.h
 _probe: dict[str, str] | None = None
 _pooled: set[str] = set()  # files this client put in the pool, deleted at exit
 _exiting = False
+# Reply files whose rows this process's tensors view now, and those a fork shares with a child.
+# A file a child may still map is never pooled: the next fetch would write into it, and the
+# child's copy-on-write pages that it has not written show the file. A child leaves the files it
+# inherited (and the pool) to its parent.
+_mapped: set[str] = set()
+_shared_with_child: set[str] = set()
+_inherited: set[str] = set()
+
+
+def _after_fork_in_parent() -> None:
+    _shared_with_child.update(_mapped)
+
+
+def _after_fork_in_child() -> None:
+    _inherited.update(_mapped)
+    _mapped.clear()
+    _pooled.clear()
+
+
+os.register_at_fork(after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def client_probe() -> dict[str, str] | None:
@@ -675,9 +695,14 @@ def _claim_pooled(total: int, prefix: str) -> str | None:
 def _release(path: str, size: int) -> None:
     """The last tensor of a fetch is gone: pool its file, evicting the pool's least recently
     released files to make room (a pool full of small files would otherwise turn away every large
-    one, and files left by killed clients would hold it forever); delete it, in the background, if
-    it is larger than the pool may hold."""
-    if _exiting:
+    one, and files left by killed clients would hold it forever); delete it if a forked child may
+    still map it, and in the background if it is larger than the pool may hold."""
+    _mapped.discard(path)
+    if path in _inherited:
+        _inherited.discard(path)
+        return
+    if _exiting or path in _shared_with_child:
+        _shared_with_child.discard(path)
         _remove(path)
         return
     try:
@@ -749,6 +774,7 @@ def read_reply(reply: dict[str, Any]) -> dict[str, Any]:
     else:
         # Runs when the last view of the mapping is freed, or at exit.
         weakref.finalize(mapped, _release, path, size)
+        _mapped.add(path)
         data = memoryview(mapped)
     for key, info in (reply.get("layers") or {}).items():
         start, nbytes = info.pop("shm_offset", None), info.pop("shm_nbytes", None)
