@@ -292,6 +292,20 @@ def test_demo_with_injected_engine(llm, tiny, tmp_path, capsys):
     assert main(["demo", "--out", str(out), "--no-progress"], llm_factory=no_engine) == 0
 
 
+@pytest.mark.engine
+def test_prompt_longer_than_max_model_len_is_refused_before_writing(llm, tiny, tmp_path, capsys):
+    txt = _write(tmp_path / "p.txt", "one two three\n\n" + " ".join(["red"] * 300) + "\n")
+    out = tmp_path / "ds"
+    capsys.readouterr()
+    rc = main(["extract", str(tiny), str(txt), "--out", str(out), "--dtype", "float32",
+               "--no-progress"], llm_factory=Factory(llm))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "prompt '1' (line 3) has 300 tokens" in err
+    assert "max_model_len 256 allows at most 255" in err
+    assert not out.exists()
+
+
 @pytest.mark.skipif(not os.environ.get("VLLM_CAPTURE_SUBPROCESS_DEMO"),
                     reason="starts its own engine; set VLLM_CAPTURE_SUBPROCESS_DEMO=1")
 def test_demo_subprocess(tmp_path):
@@ -346,6 +360,12 @@ BAD_INPUTS = {
     "per-prompt generation select without generation": (lambda d: ["{model}", str(_write(
         d / "p.jsonl", '{"prompt": "a", "select": {"generation_positions": [0]}}\n'))],
         "line 1) select"),
+    "generation position past the generated rows": (
+        lambda d: ["{model}", "{txt}", "--select", '{"generation_positions": [5]}',
+                   "--max-tokens", "3"], "no decode step that --max-tokens 3 feeds"),
+    "per-prompt generation window past the generated rows": (lambda d: ["{model}", str(_write(
+        d / "p.jsonl", '{"prompt": "a", "select": {"generation_window": [4, null]}}\n')),
+        "--max-tokens", "3"], "line 1) select: selects generated rows only, but no decode step"),
     "missing model folder": (lambda d: [str(d / "no-model"), "{txt}"], "model not found"),
     "bad storage dtype": (lambda d: ["{model}", "{txt}", "--storage-dtype", "int8"],
                           "--storage-dtype"),
@@ -354,6 +374,11 @@ BAD_INPUTS = {
                            "--capture-buffer-bytes"),
     "foreign output folder": (lambda d: ["{model}", "{txt}", "--out", str(_foreign(d))],
                               "not empty"),
+    "output folder under a file": (lambda d: ["{model}", "{txt}", "--out", str(
+        _write(d / "afile", "x") / "sub" / "ds")], "afile is a file, not a folder"),
+    "output folder that cannot be created": (
+        lambda d: ["{model}", "{txt}", "--out", "/proc/vllm-capture-test/ds"],
+        "cannot create /proc/vllm-capture-test/ds"),
 }
 
 

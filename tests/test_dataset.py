@@ -8,6 +8,7 @@ the manifest, resume) in milliseconds. tests/test_cli.py runs the same paths on 
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from vllm_capture import api
-from vllm_capture.cli import Prompt, UsageError, extract, load_prompts
+from vllm_capture.cli import Prompt, UsageError, extract, load_prompts, main
 from vllm_capture.dataset import DatasetError, load_dataset
 from vllm_capture.selection import SelectSpec
 from vllm_capture.session.wire import CaptureMeta
@@ -49,11 +50,22 @@ def expected_row(text: str, position: int, layer: int, component: str) -> torch.
             + layer * 100.0 + comp)
 
 
+class FakeTokenizer:
+    """One token per word, like fake_capture."""
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[_token(w) for w in text.split()] for text in texts]}
+
+
 class FakeEngine:
     """Stands in for the engine: records which prompts each capture() call saw."""
 
-    def __init__(self):
+    def __init__(self, max_model_len: int = 1024):
         self.calls: list[tuple[str, list[str]]] = []
+        self.model_config = SimpleNamespace(max_model_len=max_model_len)
+
+    def get_tokenizer(self):
+        return FakeTokenizer()
 
 
 def fake_capture(llm, prompts, *, stream, max_tokens=1, layers=None, dtype=None, select=None,
@@ -256,7 +268,7 @@ def _swap_request_ids(m, out):
 
 
 def _call_it_bf16(m, out):
-    m["dtype"] = "bfloat16"
+    m["dtypes"]["hidden_states"] = "bfloat16"
 
 
 def _narrow_a_layout(m, out):
@@ -469,3 +481,244 @@ def test_not_a_dataset(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(DatasetError, match="not a vllm-capture dataset"):
         load_dataset(tmp_path)
+
+
+def engine_dtype_capture(dtypes: dict[str, torch.dtype]):
+    """fake_capture as the real engine answers without a storage dtype: each component's rows
+    in the engine's dtype for it (a MoE gate may give float32 router logits beside bfloat16
+    hidden states), and no entry for a layer without rows."""
+
+    def capture(llm, prompts, *, stream, dtype=None, **kwargs):
+        result = fake_capture(llm, prompts, stream=stream, dtype=dtype, **kwargs)
+        stored = getattr(torch, dtype) if dtype else dtypes[stream]
+        kept = [layer for layer, t in result.layers.items() if t.shape[0]]
+        result.layers = {layer: result.layers[layer].to(stored) for layer in kept}
+        result._meta = {layer: result._meta[layer] for layer in kept}
+        result.layouts = {layer: result.layouts[layer] for layer in kept}
+        return result
+
+    return capture
+
+
+def test_resumed_run_stores_an_empty_last_shard_in_the_recorded_dtype(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    monkeypatch.setattr(api, "capture", engine_dtype_capture({"hidden_states": torch.bfloat16}))
+    nothing = SelectSpec(prompt_tokens=[100000]).to_wire()  # no fake token is that large
+    prompts = [Prompt(i, str(i), t, nothing if i >= 6 else None) for i, t in enumerate(PROMPTS)]
+    opts = dict(prompts=prompts, components="hidden_states", select="last", max_tokens=1,
+                shard_rows=3)
+
+    def stop_at_prompt_6(entry):
+        if entry["prompt_end"] >= 6:
+            raise Interrupt(entry["file"])
+
+    out = tmp_path / "ds"
+    with pytest.raises(Interrupt):
+        run(out, on_shard=stop_at_prompt_6, **opts)
+    run(out, **opts)  # prompts 6.. select nothing: an empty last shard
+    ds = load_dataset(out, verify=True)
+    assert ds.complete and ds.dtype == torch.bfloat16
+    last = ds.shards[-1]
+    assert last["prompt_start"] == 6 and last["rows"] == {"hidden_states": 0}
+    with safe_open(str(out / last["file"]), framework="pt") as f:
+        assert f.get_slice("hidden_states.layer_0").get_dtype() == "BF16"
+
+
+def test_each_component_records_its_own_dtype(tmp_path, monkeypatch):
+    monkeypatch.setattr(api, "capture", engine_dtype_capture(
+        {"hidden_states": torch.bfloat16, "attention_heads": torch.float32}))
+    out = tmp_path / "ds"
+    run(out)
+    ds = load_dataset(out, verify=True)
+    assert ds.manifest["dtypes"] == {"hidden_states": "bfloat16", "attention_heads": "float32"}
+    assert ds.dtypes == {"hidden_states": torch.bfloat16, "attention_heads": torch.float32}
+    assert ds.dtype == torch.bfloat16  # the first component's
+    assert ds.rows("attention_heads", 1).dtype == torch.float32
+    assert ds.rows("hidden_states", 1, prompt=0, positions=99).dtype == torch.bfloat16
+
+
+def test_resume_on_an_engine_of_another_dtype_is_refused(tmp_path, monkeypatch):
+    bf16 = {"hidden_states": torch.bfloat16, "attention_heads": torch.bfloat16}
+    monkeypatch.setattr(api, "capture", engine_dtype_capture(bf16))
+    out = tmp_path / "ds"
+
+    def stop_after_first(entry):
+        raise Interrupt(entry["file"])
+
+    with pytest.raises(Interrupt):
+        run(out, on_shard=stop_after_first)
+    before = (out / "manifest.json").read_text()
+    monkeypatch.setattr(api, "capture", engine_dtype_capture({**bf16,
+                                                              "hidden_states": torch.float16}))
+    with pytest.raises(DatasetError, match=r"hidden_states layer 0 of prompts \[\d+, \d+\) came "
+                       "back as float16, but this dataset stores hidden_states as bfloat16"):
+        run(out)
+    assert (out / "manifest.json").read_text() == before
+    assert len(load_dataset(out, verify=True).shards) == 1
+
+
+def test_format_version_1_manifests_are_read_and_resumed(tmp_path):
+    out = tmp_path / "ds"
+
+    def stop_after_first(entry):
+        raise Interrupt(entry["file"])
+
+    with pytest.raises(Interrupt):
+        run(out, on_shard=stop_after_first)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["version"] = 1  # version 1 recorded one dtype for all components
+    manifest["dtype"] = manifest.pop("dtypes")["hidden_states"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert load_dataset(out, verify=True).dtypes == {"hidden_states": torch.float32,
+                                                     "attention_heads": torch.float32}
+    run(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["version"] == 2 and "dtype" not in manifest
+    assert manifest["dtypes"] == {"hidden_states": "float32", "attention_heads": "float32"}
+    assert load_dataset(out, verify=True).complete
+
+
+def test_prompt_longer_than_max_model_len_is_refused_before_writing(tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": f"doc-{i}", "prompt": t}) + "\n"
+                            for i, t in enumerate(PROMPTS[:5])))
+    engine = FakeEngine(max_model_len=11)  # prompt 3 has 11 words: one token each
+    out = tmp_path / "ds"
+    with pytest.raises(UsageError, match=r"prompt 'doc-3' \(line 4\) has 11 tokens; the engine's "
+                       r"max_model_len 11 allows at most 10"):
+        extract(engine, load_prompts(path), out, model="fake-model", progress=False)
+    assert engine.calls == [] and not out.exists()
+    capsys.readouterr()
+    rc = main(["extract", "fake-model", str(path), "--out", str(out), "--no-progress"],
+              llm_factory=lambda *args: engine)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "prompt 'doc-3' (line 4)" in err, err
+    assert engine.calls == [] and not out.exists()
+
+
+def test_truncated_or_unreadable_shard_is_a_dataset_error(tmp_path, capsys):
+    out = tmp_path / "ds"
+    run(out)
+    shard = out / load_dataset(out).shards[1]["file"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DatasetError, match="truncated"):
+        load_dataset(out)
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and shard.name in err and "truncated" in err
+    shard.write_bytes(b"\xff" * len(data))  # the listed size, an unreadable header
+    ds = load_dataset(out)
+    with pytest.raises(DatasetError, match=f"{shard.name}: unreadable shard"):
+        ds.rows("hidden_states", 0)
+
+
+def test_capture_result_save_over_an_earlier_save(tmp_path, monkeypatch):
+    def result(prompts):
+        return fake_capture(FakeEngine(), prompts, stream="hidden_states", layers=[0, 1],
+                            select=SelectSpec(prompt="all"))
+
+    a, b = result(PROMPTS[:2]), result(PROMPTS[2:5])
+    path = tmp_path / "result"
+    a.save(path)
+    real_save = np.save
+    saved = []
+
+    def disk_full_at_second_file(file, arr, *args, **kwargs):
+        saved.append(file)
+        if len(saved) == 2:
+            raise OSError("No space left on device")
+        return real_save(file, arr, *args, **kwargs)
+
+    monkeypatch.setattr(np, "save", disk_full_at_second_file)
+    with pytest.raises(OSError, match="No space"):
+        b.save(path)
+    monkeypatch.setattr(np, "save", real_save)
+    with pytest.raises(FileNotFoundError, match="save did not finish"):
+        api.CaptureResult.load(path)
+    b.save(path)
+    loaded = api.CaptureResult.load(path)
+    assert loaded.offsets == b.offsets
+    for layer in (0, 1):
+        assert torch.equal(loaded.layers[layer], b.layers[layer])
+        assert torch.equal(loaded.meta(layer).positions, b.meta(layer).positions)
+    # Files of two saves mixed by hand are refused too.
+    a.save(tmp_path / "a")
+    shutil.copy(tmp_path / "a" / "labels_1.npy", path / "labels_1.npy")
+    with pytest.raises(ValueError, match="layer 1: row counts disagree"):
+        api.CaptureResult.load(path)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([Prompt(0, "doc", "a b"), Prompt(1, "doc", "c d")],
+     r"prompts\[1\]: duplicate prompt id 'doc' \(first at prompts\[0\]\)"),
+    ([Prompt(0, "0", "a b", {"prompt_positions": []})], r'prompts\[0\]: invalid "select"'),
+    ([Prompt(0, "0", " \n")], r'prompts\[0\]: "prompt" is empty'),
+    (["a b", ""], r'prompts\[1\]: "prompt" is empty'),
+    ([Prompt(0, 7, "a b")], r'prompts\[0\]: "id" must be a string'),
+])
+def test_prompt_records_from_python_are_checked_like_a_files(tmp_path, prompts, match):
+    engine = FakeEngine()
+    out = tmp_path / "ds"
+    with pytest.raises(UsageError, match=match):
+        run(out, engine=engine, prompts=prompts)
+    assert engine.calls == [] and not out.exists()
+
+
+def test_prompt_record_select_may_be_a_select_spec(tmp_path):
+    own = SelectSpec(prompt_positions=(0,))
+    out = tmp_path / "ds"
+    run(out, prompts=[Prompt(0, "a", PROMPTS[0], own), Prompt(1, "b", PROMPTS[1])],
+        select="last", max_tokens=1)
+    ds = load_dataset(out, verify=True)
+    assert ds.prompts[0]["select"] == own.to_wire()
+    assert ds.labels("hidden_states")["position"].tolist() == [0, len(PROMPTS[1].split()) - 1]
+
+
+def _drop(*keys):
+    def edit(manifest):
+        *path, last = keys
+        for key in path:
+            manifest = manifest[key]
+        del manifest[last]
+    return edit
+
+
+def _set(*keys, value):
+    def edit(manifest):
+        *path, last = keys
+        for key in path:
+            manifest = manifest[key]
+        manifest[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_drop("request_ids"), "field 'request_ids' is missing"),
+    (_drop("shards", 0, "rows"), r"field 'shards\[0\].rows' is missing"),
+    (_set("shards", value=None), "field 'shards' must be a list, got null"),
+    (_set("shards", 1, value="shard-00001.safetensors"), r"field 'shards\[1\]' must be an object"),
+    (_set("shards", 1, "file", value="../shard-00001.safetensors"),
+     r"field 'shards\[1\].file' must be a file name"),
+    (_set("dtypes", "hidden_states", value="int8"), "field 'dtypes.hidden_states' must be one of"),
+    (_drop("layouts", "attention_heads", "1", "width"),
+     "field 'layouts.attention_heads.1.width' is missing"),
+    (_set("rows", "hidden_states", value="12"), "field 'rows.hidden_states' must be an integer"),
+    (_set("complete", value="yes"), "field 'complete' must be true or false"),
+    (_set("run", value=[]), "field 'run' must be an object"),
+    (_set("components", value=[]), "field 'components' must be a non-empty list"),
+])
+def test_malformed_manifest_fields_are_named(tmp_path, capsys, edit, match):
+    out = tmp_path / "ds"
+    run(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match=match):
+        load_dataset(out)
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-capture: error: ") and err.count("\n") == 1, err

@@ -248,8 +248,14 @@ class CaptureResult:
     # ---- files: memory-mapped .npy + manifest.json, no pickle ----
 
     def save(self, path: str | Path) -> Path:
+        """Write the result to the folder ``path``. Its manifest goes last (atomically), and an
+        earlier save's is removed first: a save that fails part-way leaves no result to load,
+        never the new rows under the old labels and offsets."""
+        from vllm_capture.dataset import write_json_atomic
+
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        (path / "manifest.json").unlink(missing_ok=True)
         manifest = {"format": "vllm-capture-result", "version": 1, "stream": self.stream,
                     "offsets": self.offsets, "layouts": {str(k): v for k, v in self.layouts.items()},
                     "request_ids": [getattr(o, "request_id", None) for o in self.outputs],
@@ -261,12 +267,16 @@ class CaptureResult:
             np.save(path / f"labels_{layer}.npy",
                     np.stack([m.positions.numpy(), m.token_ids.numpy()], axis=1).astype(np.int32))
             manifest["layers"][str(layer)] = {"dtype": str(t.dtype), "req_ids": m.req_ids}
-        (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        write_json_atomic(path / "manifest.json", manifest)
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> "CaptureResult":
+        """Read a folder ``save`` wrote; ValueError if its files disagree on the row count."""
         path = Path(path)
+        if not (path / "manifest.json").is_file():
+            raise FileNotFoundError(f"{path}: no manifest.json (not a saved CaptureResult, or its "
+                                    "save did not finish)")
         manifest = json.loads((path / "manifest.json").read_text())
         if manifest.get("format") != "vllm-capture-result":
             raise ValueError(f"{path}: not a saved CaptureResult (manifest format "
@@ -278,6 +288,13 @@ class CaptureResult:
             if info["dtype"] == "torch.bfloat16":
                 arr = arr.view(torch.bfloat16)
             labels = np.load(path / f"labels_{layer}.npy")
+            counts = {"rows": arr.shape[0], "labels": labels.shape[0],
+                      "req_ids": len(info["req_ids"])}
+            if manifest["offsets"]:
+                counts["offsets[-1]"] = manifest["offsets"][-1]
+            if len(set(counts.values())) != 1:
+                raise ValueError(f"{path}: layer {layer}: row counts disagree ({counts}); the "
+                                 "folder mixes files of different saves")
             layers[layer] = arr
             meta[layer] = CaptureMeta(info["req_ids"], torch.from_numpy(labels[:, 0].copy()),
                                       torch.from_numpy(labels[:, 1].copy()))

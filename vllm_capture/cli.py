@@ -35,11 +35,15 @@ Resuming: shards are written under a temporary name and renamed once complete; `
 covers. Rerunning the same command resumes after the last finished shard; files an interrupted run
 left behind (temporary or unlisted shards) are removed first, so rows are never duplicated. A
 folder holding a different run (other model, prompts, components, layers, selection, dtypes or
-max tokens) is refused.
+max tokens) is refused. The manifest records each component's storage dtype; a batch that comes
+back in another (a resumed run on an engine whose ``auto`` dtype differs) stops the run.
 
-Bad input (missing or empty prompt files, malformed JSONL lines, unknown components or layers,
-invalid or empty selections, a mismatched output folder) is reported as one line on stderr with
-exit code 2, before the engine starts and before anything is written.
+Bad input (missing or empty prompt files, malformed JSONL lines, duplicate prompt ids, unknown
+components or layers, invalid selections or ones that cannot select a row at ``--max-tokens``, a
+mismatched output folder or one that cannot be created) is reported as one line on stderr with
+exit code 2, before the engine starts and before anything is written. Prompts longer than the
+engine's ``max_model_len`` are found once the engine has started, still before anything is
+written.
 """
 
 from __future__ import annotations
@@ -56,9 +60,8 @@ from typing import Any, Callable, Sequence
 
 from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFEST, PROMPT_LENGTH,
                                   PROMPTS_FILE, SHARD_PREFIX, DatasetError, dtype_name,
-                                  label_name, load_dataset, prompts_sha256, read_manifest,
-                                  sha256_file, shard_name, tensor_name, write_json_atomic,
-                                  write_text_atomic)
+                                  label_name, load_dataset, prompts_sha256, sha256_file,
+                                  shard_name, tensor_name, write_json_atomic, write_text_atomic)
 from vllm_capture.session.components import COMPONENTS, HIDDEN_STATES, ROUTER_LOGITS
 from vllm_capture.tiny_models import CORPUS
 
@@ -102,10 +105,42 @@ class Prompt:
     line: int = 0
 
 
-def load_prompts(path: str | os.PathLike) -> list[Prompt]:
-    """Prompts of a ``.txt`` (one per non-blank line) or ``.jsonl`` file; UsageError if bad."""
+def _check_prompts(records: Sequence[Prompt], where: Callable[[Prompt], str]) -> list[Prompt]:
+    """The checks every prompt passes, read from a file or given from Python: text that is not
+    empty, a valid ``select`` (made canonical), a unique id. UsageError names the prompt by
+    ``where(prompt)``."""
     from vllm_capture.selection import SelectSpec
 
+    prompts: list[Prompt] = []
+    first: dict[str, Prompt] = {}
+    for record in records:
+        at = where(record)
+        if not isinstance(record.text, str):
+            raise UsageError(f"{at}: \"prompt\" must be a string, got "
+                             f"{type(record.text).__name__}")
+        if not record.text.strip():
+            raise UsageError(f"{at}: \"prompt\" is empty")
+        if not isinstance(record.id, str):
+            raise UsageError(f"{at}: \"id\" must be a string, got {record.id!r}")
+        if record.id in first:
+            raise UsageError(f"{at}: duplicate prompt id {record.id!r} (first at "
+                             f"{where(first[record.id])})")
+        first[record.id] = record
+        select = record.select
+        if select is not None:
+            try:
+                spec = select if isinstance(select, SelectSpec) else SelectSpec.from_wire(select)
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"{at}: invalid \"select\": {exc}") from None
+            select = spec.to_wire()
+        prompts.append(Prompt(record.index, record.id, record.text, select, record.line))
+    if not prompts:
+        raise UsageError("prompts: empty")
+    return prompts
+
+
+def load_prompts(path: str | os.PathLike) -> list[Prompt]:
+    """Prompts of a ``.txt`` (one per non-blank line) or ``.jsonl`` file; UsageError if bad."""
     path = Path(path)
     if not path.exists():
         raise UsageError(f"prompts file not found: {path}")
@@ -121,12 +156,11 @@ def load_prompts(path: str | os.PathLike) -> list[Prompt]:
                  for line in path.read_text(encoding="utf-8-sig").split("\n")]
     except UnicodeDecodeError as exc:
         raise UsageError(f"prompts: {path} is not UTF-8 text ({exc.reason})") from None
-    prompts: list[Prompt] = []
-    seen: dict[str, int] = {}
+    records: list[Prompt] = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        index = len(prompts)
+        index = len(records)
         select = None
         if suffix == ".txt":
             text, pid = line, str(index)
@@ -139,46 +173,40 @@ def load_prompts(path: str | os.PathLike) -> list[Prompt]:
             if not isinstance(obj, dict):
                 raise UsageError(f"{where}: expected a JSON object with a \"prompt\" field, got "
                                  f"{type(obj).__name__}")
-            text = obj.get("prompt")
-            if not isinstance(text, str):
-                raise UsageError(f"{where}: \"prompt\" must be a string" if "prompt" in obj
-                                 else f"{where}: missing \"prompt\" field")
-            if not text.strip():
-                raise UsageError(f"{where}: \"prompt\" is empty")
+            if "prompt" not in obj:
+                raise UsageError(f"{where}: missing \"prompt\" field")
+            text = obj["prompt"]
             raw_id = obj.get("id", index)
             if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
                 raise UsageError(f"{where}: \"id\" must be a string or an int, got "
                                  f"{json.dumps(raw_id)}")
             pid = str(raw_id)
-            if obj.get("select") is not None:
-                try:
-                    select = SelectSpec.from_wire(obj["select"]).to_wire()
-                except (TypeError, ValueError) as exc:
-                    raise UsageError(f"{where}: invalid \"select\": {exc}") from None
-        if pid in seen:
-            raise UsageError(f"{path}:{lineno}: duplicate prompt id {pid!r} (first on line "
-                             f"{seen[pid]})")
-        seen[pid] = lineno
-        prompts.append(Prompt(index, pid, text, select, lineno))
-    if not prompts:
+            select = obj.get("select")
+        records.append(Prompt(index, pid, text, select, lineno))
+    if not records:
         raise UsageError(f"prompts: {path} holds no prompts")
-    return prompts
+    return _check_prompts(records, lambda p: f"{path}:{p.line}")
 
 
 def _as_prompts(prompts: Sequence) -> list[Prompt]:
-    out = []
+    """Strings or Prompt records (``load_prompts``' or the caller's), checked like a file's."""
+    records = []
     for i, p in enumerate(prompts):
         if isinstance(p, Prompt):
             if p.index != i:
                 raise ValueError(f"prompts[{i}]: index {p.index}, expected {i}")
-            out.append(p)
+            records.append(p)
         elif isinstance(p, str):
-            out.append(Prompt(i, str(i), p))
+            records.append(Prompt(i, str(i), p))
         else:
             raise TypeError(f"prompts[{i}]: expected a str or a Prompt, got {type(p).__name__}")
-    if not out:
-        raise UsageError("prompts: empty")
-    return out
+    return _check_prompts(records, lambda p: f"prompts[{p.index}]")
+
+
+def describe_prompt(prompt: Prompt) -> str:
+    """How errors name a prompt: its id, and its line in the prompts file (or its index)."""
+    return f"prompt {prompt.id!r} " + (f"(line {prompt.line})" if prompt.line
+                                       else f"(prompts[{prompt.index}])")
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -282,10 +310,29 @@ def parse_selection(value: Any, max_tokens: int):
 
 
 def check_selects_something(spec, max_tokens: int, where: str) -> None:
-    if not spec.covers_prompt and max_tokens < 2:
+    """UsageError if ``spec`` selects generated rows only and none of the decode steps that
+    ``max_tokens`` feeds can match (tokens are not known yet: a token selector may match)."""
+    import numpy as np
+
+    from vllm_capture.selection.spec import UNKNOWN_TOKEN
+
+    if spec.covers_prompt:
+        return
+    if max_tokens < 2:
         raise UsageError(f"{where}: selects generated rows only, but --max-tokens {max_tokens} "
                          "generates none (max_tokens=N feeds N-1 generated rows); the selection "
                          "would capture nothing")
+    # Past its largest position or window bound, a clause treats every step alike, so the
+    # steps up to there (or to the last step fed) decide.
+    bounds = [v for name in ("generation_positions", "generation_window",
+                             "exclude_generation_positions", "exclude_generation_window")
+              for v in getattr(spec, name) or () if v is not None]
+    steps = np.arange(min(max_tokens - 1, max(bounds, default=0) + 2))
+    match = spec.match_generation(steps, np.full(steps.shape, UNKNOWN_TOKEN))
+    if not (match.keep | match.keep_unless_excluded | match.keep_if_included).any():
+        raise UsageError(f"{where}: selects generated rows only, but no decode step that "
+                         f"--max-tokens {max_tokens} feeds (steps 0..{max_tokens - 2}) matches "
+                         "it; the selection would capture nothing")
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -388,10 +435,12 @@ def run_fingerprint(*, model: str, components: Sequence[str], layers: list[int] 
 def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
     """The existing manifest of the same run in ``out`` (None if ``out`` is new or empty).
 
-    UsageError if ``out`` is a file, a foreign non-empty folder, or holds a different run.
+    UsageError if ``out`` is a file or cannot be created, is a foreign non-empty folder, holds
+    a different run, or holds shards that are missing or not the size its manifest says.
     """
     out = Path(out)
     if not out.exists():
+        _check_creatable(out)
         return None
     if not out.is_dir():
         raise UsageError(f"--out: {out} exists and is not a folder")
@@ -401,7 +450,7 @@ def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
                              "empty folder")
         return None
     try:
-        manifest = read_manifest(out)
+        manifest = load_dataset(out).manifest
     except DatasetError as exc:
         raise UsageError(f"--out: {exc}") from None
     # A run written before the fingerprint named its load format used the checkpoint's weights.
@@ -411,11 +460,29 @@ def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
     if differs:
         raise UsageError(f"--out: {out} holds a different run (differs in: {', '.join(differs)}); "
                          "use another --out folder or remove this one")
-    for entry in manifest.get("shards", []):
-        if not (out / entry["file"]).is_file():
-            raise UsageError(f"--out: {out}: shard {entry['file']} listed in the manifest is "
-                             "missing; the folder cannot be resumed")
     return manifest
+
+
+def _check_creatable(out: Path) -> None:
+    """UsageError unless the folder ``out`` can be created. Tried for real, and undone:
+    permission bits do not tell (root ignores them; read-only and virtual file systems)."""
+    missing = []
+    existing = Path(os.path.abspath(out))  # without "..": "x/.." exists only once x does
+    while not existing.exists():
+        missing.append(existing)
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--out: cannot create {out}: {existing} is a file, not a folder")
+    created = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            created.append(folder)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot create {out}: {exc.strerror} ({exc.filename})") from None
+    finally:
+        for folder in reversed(created):
+            folder.rmdir()
 
 
 def _clean_leftovers(out: Path, manifest: dict) -> list[str]:
@@ -504,7 +571,8 @@ class _Buffer:
     def max_rows(self) -> int:
         return max(self.rows.values()) if self.rows else 0
 
-    def tensors_for_shard(self, widths: dict[str, dict[int, int]], dtype) -> dict:
+    def tensors_for_shard(self, widths: dict[str, dict[int, int]], dtypes: dict) -> dict:
+        """The shard's tensors; a layer without rows is stored empty in ``dtypes[component]``."""
         import numpy as np
         import torch
 
@@ -515,7 +583,8 @@ class _Buffer:
                 if parts:
                     out[tensor_name(c, layer)] = parts[0] if len(parts) == 1 else torch.cat(parts)
                 else:
-                    out[tensor_name(c, layer)] = torch.empty((0, widths[c][layer]), dtype=dtype)
+                    out[tensor_name(c, layer)] = torch.empty((0, widths[c][layer]),
+                                                             dtype=dtypes[c])
             for col in LABEL_COLUMNS:
                 arr = np.concatenate(self.labels[c][col]) if self.labels[c][col] else \
                     np.empty(0, dtype=np.int32)
@@ -590,10 +659,45 @@ def plan_run(prompts: Sequence, *, components=(HIDDEN_STATES,), layers=None, sel
     for p in prompts:
         if p.select is not None:
             check_selects_something(SelectSpec.from_wire(p.select), max_tokens,
-                                    f"prompt {p.id!r} (line {p.line}) select")
+                                    f"{describe_prompt(p)} select")
     storage = resolve_storage_dtype_name(storage_dtype)
     return RunPlan(prompts, components, requested_layers, mode, spec, max_tokens, storage,
                    batch_size, shard_rows, shard_mb, engine_options)
+
+
+def check_prompt_lengths(llm, prompts: Sequence[Prompt], chunk: int = 1024) -> None:
+    """UsageError naming the first prompt the engine would refuse as too long (vLLM refuses it
+    mid-run, naming no prompt). Counts tokens as vLLM does: the engine's tokenizer, with its
+    special tokens."""
+    max_len = llm.model_config.max_model_len
+    tokenizer = llm.get_tokenizer()
+    too_long: list[tuple[Prompt, int]] = []
+    for start in range(0, len(prompts), chunk):
+        batch = prompts[start: start + chunk]
+        ids = tokenizer([p.text for p in batch], add_special_tokens=True)["input_ids"]
+        too_long += [(p, len(tokens)) for p, tokens in zip(batch, ids)
+                     if len(tokens) >= max_len]
+    if too_long:
+        prompt, count = too_long[0]
+        more = f" ({len(too_long)} prompts are too long)" if len(too_long) > 1 else ""
+        # vLLM needs one position past the prompt for the token it generates.
+        raise UsageError(f"{describe_prompt(prompt)} has {count} tokens; the engine's "
+                         f"max_model_len {max_len} allows at most {max_len - 1}{more}. Shorten "
+                         "or remove it, or raise --max-model-len")
+
+
+def check_batch_dtype(manifest: dict, component: str, layer: int, dtype: str,
+                      prompts: tuple[int, int]) -> None:
+    """Record ``component``'s dtype at its first captured tensor; DatasetError for a tensor in
+    another dtype (one dataset holds one dtype per component, and ``rows()`` would promote)."""
+    recorded = manifest["dtypes"][component]
+    if recorded is None:
+        manifest["dtypes"][component] = dtype
+    elif dtype != recorded:
+        raise DatasetError(f"{component} layer {layer} of prompts [{prompts[0]}, {prompts[1]}) "
+                           f"came back as {dtype}, but this dataset stores {component} as "
+                           f"{recorded}: resume on an engine that runs in {recorded}, or extract "
+                           "into a new folder")
 
 
 def _status_layouts(llm, component: str) -> dict[int, dict]:
@@ -615,7 +719,8 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
     (and is part of the run fingerprint). Resumes a matching unfinished run in ``out_dir``.
     ``on_shard(entry)`` is called after each shard is finished (tests use it to interrupt).
     Returns a summary: prompts and rows processed by this call, seconds, prompts/s, rows/s.
-    Raises UsageError for bad input, before anything is written.
+    Raises UsageError for bad input, before anything is written, and DatasetError for a batch
+    in another dtype than the one the dataset records for its component.
     """
     from vllm_capture.api import capture
 
@@ -637,6 +742,7 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
                              "(router_logits needs a mixture-of-experts model)")
         layer_map[c] = resolve_layers(requested_layers, sorted(available), f"{c} of {model}")
         layouts[c] = {layer: available[layer] for layer in layer_map[c]}
+    check_prompt_lengths(llm, prompts)
 
     fingerprint = plan.fingerprint(model)
     out = Path(out_dir)
@@ -649,7 +755,7 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
             "model": fingerprint["model"], "components": components,
             "layers": {c: layer_map[c] for c in components},
             "layouts": {c: {str(k): v for k, v in layouts[c].items()} for c in components},
-            "dtype": storage,
+            "dtypes": {c: storage for c in components},
             "selection": {"mode": mode, "spec": spec.to_wire(),
                           "per_prompt": sum(p.select is not None for p in prompts)},
             "max_tokens": max_tokens,
@@ -691,14 +797,16 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
     limit_bytes = shard_mb * (1 << 20)
     widths = {c: {layer: int(layouts[c][layer]["width"]) for layer in layer_map[c]}
               for c in components}
-    seen_dtype = torch.float32 if storage is None else getattr(torch, storage)
     t0 = time.perf_counter()
     rows_done = 0
 
     def flush() -> None:
         if buffer.prompt_end == buffer.prompt_start:
             return
-        tensors = buffer.tensors_for_shard(widths, seen_dtype)
+        # A component with no row captured yet has no known dtype; its empty tensors are
+        # float32 then (verify does not hold an empty tensor's dtype against the manifest).
+        dtypes = {c: getattr(torch, manifest["dtypes"][c] or "float32") for c in components}
+        tensors = buffer.tensors_for_shard(widths, dtypes)
         name, size, digest = _write_shard(out, len(shards), tensors, {
             "format": FORMAT, "prompt_start": str(buffer.prompt_start),
             "prompt_end": str(buffer.prompt_end)})
@@ -728,9 +836,7 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
                                  layers=layer_map[c], dtype=storage, select=spec,
                                  per_prompt_selects=per_prompt)
                 for layer, t in result.layers.items():
-                    seen_dtype = t.dtype
-                    if manifest["dtype"] is None:
-                        manifest["dtype"] = dtype_name(t.dtype)
+                    check_batch_dtype(manifest, c, layer, dtype_name(t.dtype), (b0, b1))
                     if layer in widths[c]:
                         widths[c][layer] = int(t.shape[1])
                 for layer, lay in (result.layouts or {}).items():
@@ -794,6 +900,13 @@ def _layer_norms(ds, component: str, layer: int):
     return mean, lo, hi, pos_sum, pos_cnt
 
 
+def _dtypes_text(dtypes: dict[str, str | None]) -> str:
+    names = set(dtypes.values())
+    if len(names) == 1:
+        return str(names.pop())
+    return ", ".join(f"{component} {name}" for component, name in dtypes.items())
+
+
 def summarize(path: str | os.PathLike, stats: bool = True, verify: bool = False) -> str:
     """A human-readable summary of a dataset folder."""
     ds = load_dataset(path, verify=verify)
@@ -813,7 +926,7 @@ def summarize(path: str | os.PathLike, stats: bool = True, verify: bool = False)
         f"status     {status}: {ds.num_prompts}/{total} prompts, {len(ds.shards)} shard(s), "
         f"{_fmt_bytes(ds.size_bytes())}" + (", sha256 verified" if verify else ""),
         f"selection  {sel_text}, max_tokens={m.get('max_tokens')}",
-        f"dtype      {m.get('dtype')}",
+        f"dtype      {_dtypes_text(m['dtypes'])}",
         f"versions   vllm {v.get('vllm')}, torch {v.get('torch')}, "
         f"vllm-capture {v.get('vllm_capture')}",
     ]

@@ -28,8 +28,12 @@ component because each component is captured by its own pass over the prompts (s
 Inside a shard, rows are grouped by prompt (ascending index) and ordered by position.
 
 Shards are written to a temporary name and renamed once complete; a shard counts only once
-``manifest.json`` (also replaced atomically) lists it with its sha256, so a reader never sees a
-half-written shard.
+``manifest.json`` (also replaced atomically) lists it with its sha256 and size, so a reader never
+sees a half-written shard.
+
+The manifest records the storage dtype of each component (``dtypes``): router logits may be
+captured in float32 while hidden states are bfloat16. Format version 1 recorded one ``dtype`` for
+all components; it is still read, as if each component had that dtype.
 
 Reader API (``vllm_capture.load_dataset``)::
 
@@ -37,7 +41,8 @@ Reader API (``vllm_capture.load_dataset``)::
     ds.components                                # ["hidden_states", ...]
     ds.layers("hidden_states")                   # [0, 1, 2, 3]
     ds.layout("attention_heads", 0)              # {"width": 128, "num_heads": 4, "head_size": 32}
-    ds.dtype                                     # torch.float32
+    ds.dtypes                                    # {"hidden_states": torch.bfloat16, ...}
+    ds.dtype                                     # the first component's: torch.bfloat16
     len(ds)                                      # rows of the first component
     ds.num_rows("attention_heads")
     ds.num_prompts, ds.prompt_ids, ds.prompts    # ids table; prompts.jsonl records (lazy)
@@ -68,7 +73,8 @@ import numpy as np
 import torch
 
 FORMAT = "vllm-capture-dataset"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 PROMPTS_FILE = "prompts.jsonl"
 SHARD_PREFIX = "shard-"
@@ -169,10 +175,95 @@ def read_manifest(path: str | os.PathLike) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DatasetError(f"{mpath}: not a vllm-capture dataset manifest "
                            f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise DatasetError(f"{mpath}: format version {manifest.get('version')!r}; this "
-                           f"vllm-capture reads version {FORMAT_VERSION}")
+    version = manifest.get("version")
+    if version not in READABLE_VERSIONS:
+        raise DatasetError(f"{mpath}: format version {version!r}; this vllm-capture reads "
+                           f"versions {', '.join(map(str, READABLE_VERSIONS))}")
+    _check_fields(manifest, str(mpath))
+    if version == 1:
+        dtype = manifest.pop("dtype")
+        manifest["dtypes"] = {component: dtype for component in manifest["components"]}
+        manifest["version"] = FORMAT_VERSION
     return manifest
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_name_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_file_name(value) -> bool:
+    return isinstance(value, str) and value not in ("", ".", "..") and \
+        os.path.basename(value) == value
+
+
+def _is_dtype_name(value) -> bool:
+    return value is None or value in _DTYPES
+
+
+def _check_fields(manifest: dict, where: str) -> None:
+    """Every field the reader and the extractor read, with its type; DatasetError naming the
+    first bad one (a KeyError or TypeError from deep inside a query names none)."""
+
+    def field(container: dict, key: str, expected: str, check, prefix: str = ""):
+        """``container[key]`` if ``check`` (a type or a predicate) accepts it."""
+        name = f"{prefix}{key}"
+        if key not in container:
+            raise DatasetError(f"{where}: field {name!r} is missing")
+        value = container[key]
+        if not (isinstance(value, check) if isinstance(check, type) else check(value)):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise DatasetError(f"{where}: field {name!r} must be {expected}, got {shown}")
+        return value
+
+    count = "an integer >= 0"
+    dtype_names = f"one of {', '.join(_DTYPES)} or null"
+    components = field(manifest, "components", "a non-empty list of unique names",
+                       lambda v: _is_name_list(v) and v and len(set(v)) == len(v))
+    field(manifest, "complete", "true or false", bool)
+    field(manifest, "model", "a string", str)
+    field(manifest, "max_tokens", count, _is_count)
+    field(manifest, "num_prompts", count, _is_count)
+    field(manifest, "request_ids", "a list of strings", _is_name_list)
+    field(manifest, "versions", "an object", dict)
+    field(field(manifest, "run", "an object", dict), "prompts_sha256", "a string", str, "run.")
+    selection = field(manifest, "selection", "an object", dict)
+    field(selection, "mode", "a string", str, "selection.")
+    field(selection, "spec", "an object", dict, "selection.")
+    if manifest["version"] == 1:
+        field(manifest, "dtype", dtype_names, _is_dtype_name)
+    else:
+        dtypes = field(manifest, "dtypes", "an object", dict)
+        for component in components:
+            field(dtypes, component, dtype_names, _is_dtype_name, "dtypes.")
+    layers = field(manifest, "layers", "an object", dict)
+    layouts = field(manifest, "layouts", "an object", dict)
+    rows = field(manifest, "rows", "an object", dict)
+    for component in components:
+        field(rows, component, count, _is_count, "rows.")
+        component_layers = field(layers, component, "a list of layer numbers",
+                                 lambda v: isinstance(v, list) and all(map(_is_count, v)),
+                                 "layers.")
+        component_layouts = field(layouts, component, "an object", dict, "layouts.")
+        for layer in component_layers:
+            layout = field(component_layouts, str(layer), "an object", dict,
+                           f"layouts.{component}.")
+            field(layout, "width", count, _is_count, f"layouts.{component}.{layer}.")
+    for i, entry in enumerate(field(manifest, "shards", "a list", list)):
+        if not isinstance(entry, dict):
+            raise DatasetError(f"{where}: field 'shards[{i}]' must be an object")
+        prefix = f"shards[{i}]."
+        field(entry, "file", "a file name in the dataset folder", _is_file_name, prefix)
+        for key in ("prompt_start", "prompt_end", "bytes"):
+            field(entry, key, count, _is_count, prefix)
+        field(entry, "sha256", "a string", str, prefix)
+        shard_rows = field(entry, "rows", "an object", dict, prefix)
+        for component in components:
+            field(shard_rows, component, count, _is_count, f"{prefix}rows.")
 
 
 def _as_index_set(values, name: str) -> np.ndarray:
@@ -216,9 +307,14 @@ class CaptureDataset:
                                    f"[{entry['prompt_start']}, {entry['prompt_end']}), the shard "
                                    f"before it ended at {end} (a shard is missing)")
             end = entry["prompt_end"]
-            if not (self.path / entry["file"]).is_file():
+            file = self.path / entry["file"]
+            if not file.is_file():
                 raise DatasetError(f"{self.path}: shard {entry['file']} listed in the manifest "
                                    "is missing")
+            size = file.stat().st_size
+            if size != entry["bytes"]:
+                raise DatasetError(f"{file}: size {size} bytes, the manifest says "
+                                   f"{entry['bytes']} (truncated or replaced)")
         total = len(self.manifest["request_ids"])
         if end > total or (self.complete and end != total):
             raise DatasetError(f"{where}: its shards hold prompts [0, {end}) of {total}"
@@ -252,9 +348,15 @@ class CaptureDataset:
         return dict(self.manifest["layouts"][component][str(int(layer))])
 
     @property
+    def dtypes(self) -> dict[str, torch.dtype | None]:
+        """Storage dtype of each component (None: nothing captured, dtype not known)."""
+        names = self.manifest["dtypes"]
+        return {c: _DTYPES[names[c]] if names[c] else None for c in self.components}
+
+    @property
     def dtype(self) -> torch.dtype | None:
-        name = self.manifest.get("dtype")
-        return _DTYPES.get(name) if name else None
+        """Storage dtype of the first component (see ``dtypes`` for the others)."""
+        return self.dtypes[self.components[0]]
 
     @property
     def complete(self) -> bool:
@@ -318,9 +420,6 @@ class CaptureDataset:
             file = self.path / entry["file"]
             if not file.is_file():
                 raise DatasetError(f"{file}: shard listed in the manifest is missing")
-            size = file.stat().st_size
-            if size != entry["bytes"]:
-                raise DatasetError(f"{file}: size {size} bytes, manifest says {entry['bytes']}")
             digest = sha256_file(file)
             if digest != entry["sha256"]:
                 raise DatasetError(f"{file}: sha256 {digest[:16]}... does not match the "
@@ -344,7 +443,8 @@ class CaptureDataset:
             rows = entry["rows"][component]
             for layer in self.layers(component):
                 width = self.layout(component, layer)["width"]
-                want[tensor_name(component, layer)] = ([rows, width], self.manifest["dtype"])
+                want[tensor_name(component, layer)] = ([rows, width],
+                                                       self.manifest["dtypes"][component])
             for column in LABEL_COLUMNS:
                 want[label_name(component, column)] = ([rows], "int32")
         if set(f.keys()) != set(want):
@@ -353,8 +453,9 @@ class CaptureDataset:
         for name, (shape, dtype) in want.items():
             sl = f.get_slice(name)
             got = (list(sl.get_shape()), _FILE_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
-            # No dtype in the manifest: nothing was captured, and only empty tensors are stored.
-            if got[0] != shape or (dtype is not None and got[1] != dtype):
+            # An empty tensor holds no values, and one written before its component's first row
+            # was captured cannot know the dtype (no dtype in the manifest: nothing captured yet).
+            if got[0] != shape or (dtype is not None and shape[0] and got[1] != dtype):
                 raise DatasetError(f"{where}: {name} is {got[1]} {got[0]}, the manifest says "
                                    f"{dtype} {shape}")
         for component in self.components:
@@ -383,11 +484,15 @@ class CaptureDataset:
                            f"(layers {self.layers(component)})")
 
     def _handle(self, entry: dict):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         name = entry["file"]
         if name not in self._handles:
-            self._handles[name] = safe_open(str(self.path / name), framework="pt")
+            try:
+                self._handles[name] = safe_open(str(self.path / name), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise DatasetError(f"{self.path / name}: unreadable shard ({exc}); "
+                                   "load_dataset(path, verify=True) checks every shard") from None
         return self._handles[name]
 
     def _shard_labels(self, entry: dict, component: str) -> dict[str, np.ndarray]:
@@ -477,7 +582,7 @@ class CaptureDataset:
             parts.append(self._read_rows(sl, idx, entry["rows"][component]))
         if not parts:
             width = self.layout(component, layer)["width"]
-            return torch.empty((0, width), dtype=self.dtype or torch.float32)
+            return torch.empty((0, width), dtype=self.dtypes[component] or torch.float32)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def labels(self, component: str | None = None, prompt=None, positions=None) -> dict[str, np.ndarray]:
