@@ -1194,6 +1194,33 @@ def test_a_refused_fetch_leaves_running_reductions_open(reduce, bad):
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid])
 
 
+@pytest.mark.parametrize("reduce", ["last", "mean"])
+@pytest.mark.parametrize("clear", [True, False])
+def test_a_fetch_before_a_request_ends_ends_its_reduction_and_counts_the_rows_after(reduce, clear):
+    engine = Engine(acc_slots=4)
+    engine.session.enable_stream(HS, reduce=reduce)
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 5, 0])  # rows at positions 0-5
+    b = Req(num=1, prompt=[6, 7], gen=[])  # done in the first step, heard of at the next
+    engine.step([(a, 3), (b, 2)])
+    early = decode_rows(*engine.fetch(HS, clear=clear))
+    assert {rid for rid, _, _, _ in early[1]} == {a.rid, b.rid}
+    assert engine.session.stream_status(HS)["tokens_dropped"] == 0
+    for _ in range(3):
+        engine.step([(a, 1)])  # positions 3, 4, 5: computed, no longer reduced
+    engine.step([])
+    assert engine.session.stream_status(HS)["tokens_dropped"] == 3
+    later = decode_rows(*engine.fetch(HS))
+    # Nothing more of a: what the first fetch returned, again only where it kept the rows.
+    assert sorted(rid for rid, _, _, _ in later.get(1, [])) == ([] if clear else
+                                                               sorted([a.rid, b.rid]))
+    want = act(0, range(3), HS, 1)
+    got = [values for rid, _, _, values in early[1] if rid == a.rid][0]
+    if reduce == "last":
+        np.testing.assert_array_equal(got, want[-1])
+    else:
+        np.testing.assert_allclose(got, want.astype(np.float64).mean(axis=0), rtol=1e-3, atol=0.5)
+
+
 def test_more_reduce_segments_than_ring_capacity():
     engine = Engine(capacity=2, acc_slots=4)
     ref = RefStream(HS, 4, reduce="mean")

@@ -106,6 +106,9 @@ class Stream:
     slot_last_position: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Requests this stream will not track again: failed, or reduced and closed by a fetch.
     closed: set[str] = field(default_factory=set)
+    # Reductions a fetch closed before the worker heard that their request finished: rows the
+    # request computes after that are not reduced, and count as dropped.
+    cut: set[str] = field(default_factory=set)
     # reduce="all": the steps whose rows wait in the device ring, as planned; and finish markers
     # of requests whose rows may be among them.
     pending_steps: list[PendingStep] = field(default_factory=list)
@@ -313,8 +316,8 @@ class CaptureSession:
             # Reductions of requests still open close now (capture() fetches after generate()
             # returned, when every request is done; vLLM tells the worker they finished only
             # with its next step), and are read with those closed before.
-            self._close(st, [r for r in list(st.slots)
-                             if req_ids is None or _matches_any(r, req_ids)])
+            st.cut.update(self._close(st, [r for r in list(st.slots)
+                                           if req_ids is None or _matches_any(r, req_ids)]))
         reduced = self._read_finished(st)
         held, st.held = st.held, []
         if reduced is not None:
@@ -456,6 +459,7 @@ class CaptureSession:
             for req_id in finished:
                 st.tracks.pop(req_id, None)
                 st.closed.discard(req_id)
+                st.cut.discard(req_id)
             if st.pending_steps:
                 st.pending_finishes.append(_Finish(st.store, finished))
             elif st.finished or st.held:  # after the rows still to be stored, never before
@@ -615,8 +619,13 @@ class CaptureSession:
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
         new_slots: list[int] = []
-        for req_id in geometry.req_ids:
-            if req_id in st.tracks or req_id in st.closed:
+        unreduced = 0
+        for i, req_id in enumerate(geometry.req_ids):
+            if req_id in st.tracks:
+                continue
+            if req_id in st.closed:
+                if req_id in st.cut:
+                    unreduced += int(geometry.query_start_loc[i + 1] - geometry.query_start_loc[i])
                 continue
             info = self._requests.get(req_id)
             if info is None:
@@ -658,6 +667,8 @@ class CaptureSession:
                 st.slot_last_position[slot] = -1
                 new_slots.append(slot)
             st.tracks[req_id] = track
+        if unreduced:
+            st.store.count_dropped(unreduced)
         # One device fill for every slot handed out this step (the step's forward follows it).
         self.graph_state.reset_acc_slots(st.component, new_slots)
         if new_slots and self.on_stored is not None:
@@ -672,12 +683,12 @@ class CaptureSession:
             return True
         return selects_positions_in(track, skipped.start, skipped.stop)
 
-    def _close(self, st: Stream, req_ids: list[str]) -> None:
+    def _close(self, st: Stream, req_ids: list[str]) -> list[str]:
         """Close the reductions (last/mean) of ``req_ids`` still open: their rows wait in their
-        accumulator slots (``st.finished``) for ``_read_finished``."""
+        accumulator slots (``st.finished``) for ``_read_finished``. Returns those it closed."""
         closing = [r for r in dict.fromkeys(req_ids) if r in st.slots]
         if not closing:
-            return
+            return closing
         self._drop_repeat(st)
         for r in closing:
             st.finished[r] = st.slots.pop(r)
@@ -685,6 +696,7 @@ class CaptureSession:
             # rows would otherwise start a second, partial reduction.
             st.tracks.pop(r, None)
             st.closed.add(r)
+        return closing
 
     def _read_finished(self, st: Stream) -> _Reduced | None:
         """The rows of every closed reduction of ``st``, one per request and layer, on their way
