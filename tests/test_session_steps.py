@@ -1221,6 +1221,48 @@ def test_a_fetch_before_a_request_ends_ends_its_reduction_and_counts_the_rows_af
         np.testing.assert_allclose(got, want.astype(np.float64).mean(axis=0), rtol=1e-3, atol=0.5)
 
 
+def test_a_request_id_reused_while_its_rows_are_held_fails_that_id_only():
+    # vLLM makes ids unique unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set; then a client
+    # may send an id again as soon as its first request finished.
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    first = Req(num=0, prompt=[1, 2, 3], gen=[], client="r")
+    again = Req(num=0, prompt=[4, 0, 1, 2], gen=[3, 0], client="r")
+    other = Req(num=1, prompt=[5, 6], gen=[7, 8, 0])
+    assert first.rid == again.rid
+    engine.step([(first, 3), (other, 2)])
+    engine.step([(again, 4), (other, 1)])  # first's finish and again's arrival: one step
+    engine.step([(again, 1), (other, 1)])
+    engine.step([(again, 1), (other, 1)])
+    engine.step([])
+    with pytest.raises(RuntimeError, match="request id reused while the stream still holds"):
+        engine.session.fetch_stream(HS)
+    rows = decode_rows(*engine.fetch(HS, req_ids=[other.rid]))
+    for layer in LAYERS[HS]:
+        assert [(rid, q) for rid, q, _, _ in rows[layer]] == [(other.rid, q) for q in range(5)]
+        for rid, q, _, values in rows[layer]:
+            np.testing.assert_array_equal(values, act(other.num, [q], HS, layer)[0])
+
+
+def test_a_request_id_given_again_after_its_rows_were_fetched_is_captured():
+    engine = Engine()
+    engine.session.enable_stream(HS)
+    first = Req(num=0, prompt=[1, 2, 3], gen=[], client="r")
+    again = Req(num=0, prompt=[4, 0, 1], gen=[2, 0], client="r")
+    engine.step([(first, 3)])
+    engine.step([])  # the worker hears that first finished
+    engine.fetch(HS)  # and its rows leave the store
+    engine.step([(again, 3)])
+    engine.step([(again, 1)])
+    engine.step([])
+    rows = decode_rows(*engine.fetch(HS))
+    for layer in LAYERS[HS]:
+        assert [(rid, q, t) for rid, q, t, _ in rows[layer]] == [
+            (again.rid, q, t) for q, t in enumerate([4, 0, 1, 2])]
+
+
 def test_more_reduce_segments_than_ring_capacity():
     engine = Engine(capacity=2, acc_slots=4)
     ref = RefStream(HS, 4, reduce="mean")

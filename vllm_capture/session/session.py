@@ -631,6 +631,12 @@ class CaptureSession:
             if info is None:
                 continue  # warm-up or dummy request
             reason = self._unsupported_requests.get(req_id)
+            if reason is None and st.store.holds_request(req_id):
+                # An id vLLM did not make unique (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION) given
+                # again right after its first request: one label cannot tell their rows apart.
+                reason = ("request id reused while the stream still holds rows of an earlier "
+                          "request with that id (or has not yet released it): request ids must "
+                          "be unique until their rows are fetched")
             select = None
             if reason is None:
                 wire = info.selects.get(st.component, info.selects.get("*"))

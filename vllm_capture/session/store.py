@@ -334,7 +334,8 @@ class StreamStore:
         """Label index for an engine-internal request id, allocated on first use.
 
         Asking again for a finished request that still has rows revives it
-        instead of allocating a second index for the same id.
+        instead of allocating a second index for the same id. (The session asks
+        once per request, and fails a request whose id ``holds_request``.)
         """
         if not isinstance(req_id, str):
             raise TypeError(f"request id must be a str, got {type(req_id).__name__}")
@@ -360,6 +361,12 @@ class StreamStore:
             for alias in _aliases(req_id):
                 self._request_aliases.setdefault(alias, set()).add(index)
             return index
+
+    def holds_request(self, req_id: str) -> bool:
+        """Whether ``req_id`` has a label index: rows of it are held or may still arrive, or the
+        harvest thread has not yet released it after its finish."""
+        with self.lock:
+            return req_id in self._req_index
 
     def registration_order(self, req_index: np.ndarray) -> np.ndarray:
         """The order that puts rows of these (registered) label indices in registration order,
