@@ -159,6 +159,29 @@ def test_budget_caps_each_layer_and_counts_drops(caplog):
     assert torch.equal(tensors[0], _rows(a, range(5))[0])
 
 
+def test_budget_drops_count_each_row_once_when_layers_budgets_part():
+    # Fetches that clear some layers and not others leave the layers different room: a row the
+    # budget cuts in any layer is missing from the sample, counted once however many layers cut it.
+    store = StreamStore(StreamConfig(budget_rows=2))
+    a = store.request_index("a")
+
+    def append(positions):
+        values, meta = _rows(a, positions)
+        store.append_layers({layer: values for layer in (0, 1, 2)}, meta,
+                            {layer: f"l{layer}" for layer in (0, 1, 2)})
+
+    append([0, 1])
+    store.serialize(layers=[0], clear_selected=True)
+    append([2, 3])  # kept in layer 0, cut in layers 1 and 2
+    store.serialize(layers=[1, 2], clear_selected=True)
+    append([4, 5])  # kept in layers 1 and 2, cut in layer 0
+    append([6])  # cut in every layer
+    labels, _ = _fetch(store)
+    assert {layer: [p for _, p in rows] for layer, rows in labels.items()} == {
+        0: [2, 3], 1: [4, 5], 2: [4, 5]}
+    assert store.tokens_dropped == 5  # positions 2-6
+
+
 def test_budget_drops_rows_of_the_tail_across_requests():
     store = StreamStore(StreamConfig(budget_rows=3))
     a, b = store.request_index("a"), store.request_index("b")
@@ -732,7 +755,7 @@ def test_store_matches_a_reference_model_under_random_operations(seed):
     finished: set[str] = set()
     failed: set[str] = set()
     next_pos: Counter = Counter()
-    dropped = Counter()
+    dropped = 0
     values = itertools.count()
     names = itertools.count()
 
@@ -772,17 +795,21 @@ def test_store_matches_a_reference_model_under_random_operations(seed):
                 for _ in range(rng.choice([1, 1, 1, 3])):
                     batch.append((req_id, next_pos[req_id]))
                     next_pos[req_id] += 1
-            for layer in rng.sample(layers, rng.randint(1, 3)):
+            # The session appends a drain's layers together; each layer's values differ.
+            appended = rng.sample(layers, rng.randint(1, 3))
+            meta = torch.tensor(
+                [[index_of[r], p, 0] for r, p in batch], dtype=torch.int32
+            ).reshape(-1, 3)
+            tensors, cut = {}, 0
+            for layer in appended:
                 vals = [float(next(values)) for _ in batch]
-                tensor = torch.tensor([[v, v + 0.5] + [0.0] * (WIDTH - 2) for v in vals])
-                meta = torch.tensor(
-                    [[index_of[r], p, 0] for r, p in batch], dtype=torch.int32
-                ).reshape(-1, 3)
-                store.append(layer, tensor, meta, f"l{layer}")
+                tensors[layer] = torch.tensor([[v, v + 0.5] + [0.0] * (WIDTH - 2) for v in vals])
                 keep = [(r, p, v) for (r, p), v in zip(batch, vals) if r not in failed]
                 room = len(keep) if budget is None else max(0, budget - len(model[layer]))
-                dropped[layer] += max(0, len(keep) - room)
+                cut = max(cut, len(keep) - room)  # the batch's rows missing from some layer
                 model[layer].extend(keep[:room])
+            dropped += cut
+            store.append_layers(tensors, meta, {layer: f"l{layer}" for layer in appended})
         elif op < 0.72 and servable:
             picked = rng.sample(servable, min(len(servable), rng.choice([1, 1, 2, 5])))
             wanted = rng.choice([layers, [rng.choice(layers)]])
@@ -824,7 +851,7 @@ def test_store_matches_a_reference_model_under_random_operations(seed):
         else:
             store.clear()
             failed.clear()
-            dropped.clear()
+            dropped = 0
             remove(set(rank))
             for req_id in finished:
                 rank.pop(req_id, None)
@@ -835,7 +862,7 @@ def test_store_matches_a_reference_model_under_random_operations(seed):
         live_rows = sum(len(rows) for rows in model.values())
         status = store.status()
         assert status["tokens_stored"] == max(len(rows) for rows in model.values())
-        assert status["tokens_dropped"] == max(dropped.values(), default=0)
+        assert status["tokens_dropped"] == dropped
         assert status["bytes_stored"] <= 2 * live_rows * ROW_BYTES
         assert status["requests"] == len([r for r in rank if r not in finished or r in held])
     if not failed:
@@ -1049,9 +1076,9 @@ def test_budget_drop_counts_each_row_once_across_layers():
     """A row the budget cuts is cut in every layer; tokens_dropped counts sequence rows."""
     store = StreamStore(StreamConfig(budget_rows=3))
     idx = store.request_index("r-0123abcd")
-    for layer in range(4):
-        meta = torch.tensor([[idx, p, 7] for p in range(5)], dtype=torch.int32)
-        store.append(layer, torch.zeros(5, 2), meta, f"layers.{layer}")
+    meta = torch.tensor([[idx, p, 7] for p in range(5)], dtype=torch.int32)
+    store.append_layers({layer: torch.zeros(5, 2) for layer in range(4)}, meta,
+                        {layer: f"layers.{layer}" for layer in range(4)})
     assert store.tokens_stored == 3
     assert store.tokens_dropped == 2
     store.count_dropped(4)

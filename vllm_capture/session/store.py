@@ -310,10 +310,11 @@ class StreamStore:
         self._layer_dtypes: dict[int, set[torch.dtype]] = {}
         # Bytes of every chunk's storage, dead rows awaiting compaction included.
         self._bytes_stored = 0
-        # Rows cut before the store (device ring) and, per layer, by the budget. A row the budget
-        # cuts is cut in every layer of the stream, so it counts once: the largest layer count.
+        # Rows cut before the store (device ring) and by the budget. Every layer of one append
+        # holds the same rows, so a row the budget cuts in any of them counts once, in the append
+        # that cut it: layers' budgets part once a fetch clears some layers and not others.
         self._ring_dropped = 0
-        self._budget_dropped: dict[int, int] = {}
+        self._budget_dropped = 0
         self._warned_budget = False
         self.lock = threading.RLock()
 
@@ -505,8 +506,10 @@ class StreamStore:
             # unless a layer was enabled later), and chunks never modify these arrays in place.
             layouts: dict[int, tuple] = {}
             takes = []  # (layer, source rows, layout, dtype)
+            fewest_kept = count
             for layer_id, tensor in rows.items():
                 keep = self._limit_rows(layer_id, count)
+                fewest_kept = min(fewest_kept, keep)
                 if keep == 0:
                     continue
                 if keep not in layouts:
@@ -521,6 +524,7 @@ class StreamStore:
                 self._add_chunk(layer_id, _Chunk(copy, chunk_meta, reqs, starts, lens))
                 self._layer_dtypes.setdefault(layer_id, set()).add(dtype)
                 self.layer_names[layer_id] = layer_names[layer_id]
+            self._budget_dropped += count - fewest_kept
 
     def _chunk_layout(self, labels: np.ndarray, unblocked: np.ndarray | None, keep: int,
                       arrival: np.ndarray | None = None):
@@ -646,22 +650,20 @@ class StreamStore:
     def tokens_dropped(self) -> int:
         """Selected rows (sequence tokens) that were not stored, each counted once."""
         with self.lock:
-            return self._ring_dropped + max(self._budget_dropped.values(), default=0)
+            return self._ring_dropped + self._budget_dropped
 
     def _limit_rows(self, layer_id: int, count: int) -> int:
         budget = self.config.budget_rows
         if budget is None:
             return count
         keep = min(count, max(0, budget - self._layer_rows.get(layer_id, 0)))
-        if keep < count:
-            self._budget_dropped[layer_id] = self._budget_dropped.get(layer_id, 0) + count - keep
-            if not self._warned_budget:
-                self._warned_budget = True
-                logger.warning(
-                    "Capture row budget (%d rows per layer) reached; further "
-                    "rows are dropped and counted in tokens_dropped.",
-                    budget,
-                )
+        if keep < count and not self._warned_budget:
+            self._warned_budget = True
+            logger.warning(
+                "Capture row budget (%d rows per layer) reached; further "
+                "rows are dropped and counted in tokens_dropped.",
+                budget,
+            )
         return keep
 
     # ------------------------------------------------------------ spans & chunks
@@ -1070,12 +1072,13 @@ class StreamStore:
             self.elided_reqs.clear()
             self._failed_requests.clear()
             self._ring_dropped = 0
-            self._budget_dropped.clear()
+            self._budget_dropped = 0
             self._warned_budget = False
             self._reclaim_requests(set(self._finished))
 
     def drop_layers(self, layers: list[int]) -> None:
         """Release every row of the given layers (after a layer-wise fetch)."""
+        check_fetch_filters(layers, None)
         with self.lock:
             touched: set[int] = set()
             for layer_id in self._wanted_layers(layers):
