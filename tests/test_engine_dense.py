@@ -694,6 +694,26 @@ def test_parallel_samples_are_captured_as_requests_of_their_own(llm, hf):
 
 # ---- 9. capture_batches --------------------------------------------------------------------------
 
+def test_layers_no_selected_row_reached_are_empty_not_missing(llm):
+    """A batch whose selection matches nothing holds every layer asked for, as [0, width]."""
+    prompts = [tokens_prompt(p) for p in _prompts(911, [5, 7, 3])]
+    last, never = vc.SelectSpec.last_prompt_token(), vc.SelectSpec(generation_positions=(9,))
+    full, empty = capture_batches(llm, prompts, batch_size=2, max_tokens=2, layers=[1, 3],
+                                  per_prompt_selects=[last, never, never])
+    assert sorted(full.layers) == sorted(empty.layers) == [1, 3]
+    for layer in (1, 3):
+        assert full.layers[layer].shape == (1, HIDDEN)
+        assert empty.layers[layer].shape == (0, HIDDEN)
+        assert empty.layers[layer].dtype == full.layers[layer].dtype
+        assert empty.layouts[layer] == full.layouts[layer]
+        assert len(empty.meta(layer)) == 0
+    assert empty.sample_positions(0).tolist() == [] and empty.offsets == [0, 0]
+    nothing = capture(llm, prompts[:1], per_prompt_selects=[never], max_tokens=2)
+    assert sorted(nothing.layers) == list(range(NUM_LAYERS))
+    assert all(t.shape == (0, HIDDEN) and t.dtype == full.layers[1].dtype
+               for t in nothing.layers.values())
+
+
 def test_capture_batches_equals_one_capture(llm):
     prompts = _prompts(909, [4, 9, 70, 2, 30, 16, 81])
     tp = [tokens_prompt(p) for p in prompts]

@@ -160,14 +160,19 @@ def join_shards(stream: str, replies: list[dict]):
         joined[layer] = torch.cat(parts, dim=1)
         shard = [layouts_by_rank[r].get(layer, {}) for r in range(tp_size)]
         if all(shard):
-            joined_layouts[layer] = {
-                "width": sum(s["width"] for s in shard),
-                "num_heads": sum(s["num_heads"] for s in shard),
-                "head_size": shard[0]["head_size"],
-                "tp_size": tp_size,
-                "heads_per_rank": [s["num_heads"] for s in shard],
-            }
+            joined_layouts[layer] = _joined_heads_layout(shard)
     return joined, meta, joined_layouts
+
+
+def _joined_heads_layout(shard: list[dict]) -> dict:
+    """The layout of attention heads joined from every rank's shard layout, in rank order."""
+    return {
+        "width": sum(s["width"] for s in shard),
+        "num_heads": sum(s["num_heads"] for s in shard),
+        "head_size": shard[0]["head_size"],
+        "tp_size": len(shard),
+        "heads_per_rank": [s["num_heads"] for s in shard],
+    }
 
 
 # ---- capture() ---------------------------------------------------------------------------------
@@ -447,7 +452,40 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
     # before it hears the request stopped; those rows are not part of the returned sequence.
     ends = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outputs]
     grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids, ends)
+    _add_empty_layers(llm, stream, layers, dtype, status, grouped, grouped_meta, layouts)
     return CaptureResult(grouped, outputs, layouts, stream, grouped_meta, offsets)
+
+
+def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | None,
+                      status: dict, grouped: dict, grouped_meta: dict, layouts: dict) -> None:
+    """Give every captured layer that no selected row reached a ``[0, width]`` tensor and its
+    layout, so that a result (and each of ``capture_batches``') holds every layer asked for."""
+    from vllm_capture.session.config import resolve_storage_dtype
+
+    known = {int(k): v for k, v in status["layouts"].items()}
+    missing = [layer for layer in (sorted(known) if layers is None else dict.fromkeys(layers))
+               if layer in known and layer not in grouped]
+    if not missing:
+        return
+    if grouped:
+        empty_dtype = next(iter(grouped.values())).dtype
+    elif dtype is not None:
+        empty_dtype = resolve_storage_dtype(dtype)
+    else:
+        empty_dtype = llm.model_config.dtype
+    ranks = [status]
+    if stream == ATTENTION_HEADS and int(status.get("tp_size", 1)) > 1:
+        ranks = capture_status(llm, stream, all_ranks=True)
+    for layer in missing:
+        if len(ranks) > 1:
+            layout = _joined_heads_layout([{int(k): v for k, v in r["layouts"].items()}[layer]
+                                           for r in ranks])
+        else:
+            layout = dict(known[layer])
+        grouped[layer] = torch.empty((0, layout["width"]), dtype=empty_dtype)
+        grouped_meta[layer] = CaptureMeta([], torch.empty(0, dtype=torch.int32),
+                                          torch.empty(0, dtype=torch.int32))
+        layouts[layer] = layout
 
 
 def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
