@@ -37,17 +37,37 @@ class Target:
     layout: dict[str, int]
 
 
+def _language_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(its name, module)``: the text decoder of a multimodal model (vLLM's
+    ``get_language_model``; a vision or audio tower has ``layers.N`` with attention too), else
+    the model."""
+    get = getattr(model, "get_language_model", None)
+    language_model = get() if callable(get) else None
+    if isinstance(language_model, nn.Module) and language_model is not model:
+        for name, module in model.named_modules():
+            if module is language_model:
+                return name + ".", module
+    return "", model
+
+
 def _decoder_layers(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
-    """Decoder layers of the target model: children of a ``layers`` ModuleList with attention."""
-    found = []
-    for name, module in model.named_modules():
+    """Decoder layers of the target model: every child of a ``layers`` ModuleList of which at
+    least one child has attention (a hybrid model's Mamba or linear-attention layers included)."""
+    prefix, language_model = _language_model(model)
+    stacks: dict[str, list[tuple[int, str, nn.Module]]] = {}
+    with_attention: set[str] = set()
+    for name, module in language_model.named_modules():
         m = _LAYER_INDEX.search(name)
         if m is None or type(module).__name__ == "PPMissingLayer":
             continue
         if "draft" in name or "mtp" in name:
             continue  # speculative drafters reuse decoder classes; only the target is captured
+        stack = name[: m.start()]
+        stacks.setdefault(stack, []).append((int(m.group(1)), prefix + name, module))
         if hasattr(module, "self_attn") or hasattr(module, "attn"):
-            found.append((int(m.group(1)), name, module))
+            with_attention.add(stack)
+    found = [layer for stack, layers in stacks.items() if stack in with_attention
+             for layer in layers]
     return sorted(found, key=lambda t: t[0])
 
 
@@ -60,6 +80,20 @@ def _router_gate(layer: nn.Module) -> nn.Module | None:
     return None
 
 
+def _heads_layout(attn: nn.Module, width: int) -> dict[str, int] | None:
+    """This rank's heads of the ``o_proj`` input ``width``: its head size from the attention
+    module (``v_head_dim`` where values have their own, as in MLA), the count from the width,
+    since ``num_heads`` is the total in some attention classes and this rank's in others."""
+    head_dim = getattr(attn, "v_head_dim", None) or getattr(attn, "head_dim", None)
+    if not head_dim or width % int(head_dim):
+        local = next((getattr(attn, a) for a in ("num_local_heads", "num_heads_per_partition",
+                                                 "num_heads") if getattr(attn, a, None)), None)
+        if not local or width % int(local):
+            return None
+        head_dim = width // int(local)
+    return {"width": width, "num_heads": width // int(head_dim), "head_size": int(head_dim)}
+
+
 def find_targets(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> list[Target]:
     targets: list[Target] = []
     for layer_id, name, layer in _decoder_layers(model):
@@ -67,21 +101,24 @@ def find_targets(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> list
                               {"width": hidden_size}))
         attn = getattr(layer, "self_attn", None)
         o_proj = getattr(attn, "o_proj", None) if attn is not None else None
-        num_heads = getattr(attn, "num_heads", None)
-        head_dim = getattr(attn, "head_dim", None)
-        if o_proj is not None and hasattr(o_proj, "input_size_per_partition") and num_heads:
-            width = int(o_proj.input_size_per_partition)
-            if head_dim is None or num_heads * head_dim != width:
-                head_dim = width // num_heads
-            targets.append(Target(ATTENTION_HEADS, layer_id, f"{name}.self_attn.o_proj", o_proj,
-                                  width, dtype, {"width": width, "num_heads": int(num_heads),
-                                                 "head_size": int(head_dim)}))
+        if o_proj is not None and hasattr(o_proj, "input_size_per_partition"):
+            layout = _heads_layout(attn, int(o_proj.input_size_per_partition))
+            if layout is not None:
+                targets.append(Target(ATTENTION_HEADS, layer_id, f"{name}.self_attn.o_proj",
+                                      o_proj, layout["width"], dtype, layout))
         gate = _router_gate(layer)
         if gate is not None:
             width = int(getattr(gate, "output_size_per_partition", gate.output_size))
             gate_dtype = getattr(gate, "out_dtype", None) or dtype
             targets.append(Target(ROUTER_LOGITS, layer_id, f"{name}.gate", gate, width, gate_dtype,
                                   {"width": width}))
+    seen: dict[tuple[str, int], str] = {}
+    for t in targets:
+        other = seen.setdefault((t.component, t.layer_id), t.name)
+        if other != t.name:
+            raise ValueError(f"vllm-capture: {t.component} layer {t.layer_id} found twice, at "
+                             f"{other} and {t.name}: this model has two layer stacks "
+                             "(an encoder and a decoder?), which capture cannot tell apart")
     return targets
 
 

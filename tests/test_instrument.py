@@ -1,0 +1,112 @@
+"""Where capture finds its call sites in a model (engine/instrument.py's find_targets), on stand-in
+modules shaped like vLLM's: the attributes it reads are the ones vLLM's classes carry."""
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_capture.engine.instrument import find_targets
+from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES
+
+
+class _OProj(nn.Linear):
+    """A RowParallelLinear's input width on this rank."""
+
+    def __init__(self, width):
+        super().__init__(width, 8)
+        self.input_size_per_partition = width
+
+
+class _Attention(nn.Module):
+    def __init__(self, width, **heads):
+        super().__init__()
+        self.o_proj = _OProj(width)
+        for name, value in heads.items():
+            setattr(self, name, value)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, width=64, **heads):
+        super().__init__()
+        self.self_attn = _Attention(width, **({"num_heads": 4, "head_dim": width // 4} | heads))
+
+
+class _MambaLayer(nn.Module):  # a hybrid model's layer without attention (Jamba, Qwen3-Next)
+    def __init__(self):
+        super().__init__()
+        self.mixer = nn.Linear(8, 8)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+
+class _CausalLM(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.model = _Decoder(layers)
+
+
+class _VisionTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = _Decoder([_DecoderLayer(width=32) for _ in range(2)])
+
+
+def _sites(targets, component):
+    return [(t.layer_id, t.name) for t in targets if t.component == component]
+
+
+def test_a_multimodal_models_vision_tower_is_left_out():
+    class Gemma3Like(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision_tower = _VisionTower()  # built first, as in gemma3_mm.py
+            self.language_model = _CausalLM([_DecoderLayer() for _ in range(2)])
+
+        def get_language_model(self):
+            return self.language_model
+
+    targets = find_targets(Gemma3Like(), 64, torch.bfloat16)
+    assert _sites(targets, HIDDEN_STATES) == [(0, "language_model.model.layers.0"),
+                                             (1, "language_model.model.layers.1")]
+    assert {t.width for t in targets} == {64}
+
+
+def test_two_layer_stacks_the_model_does_not_tell_apart_are_refused():
+    class EncoderDecoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = _Decoder([_DecoderLayer() for _ in range(2)])
+            self.decoder = _Decoder([_DecoderLayer() for _ in range(2)])
+
+    with pytest.raises(ValueError, match=r"hidden_states layer 0 found twice, at encoder\.layers"
+                                         r"\.0 and decoder\.layers\.0"):
+        find_targets(EncoderDecoder(), 64, torch.bfloat16)
+
+
+def test_a_hybrid_models_layers_without_attention_are_decoder_layers_too():
+    model = _CausalLM([_DecoderLayer(), _MambaLayer(), _MambaLayer(), _DecoderLayer()])
+    targets = find_targets(model, 64, torch.bfloat16)
+    assert [layer for layer, _ in _sites(targets, HIDDEN_STATES)] == [0, 1, 2, 3]
+    assert [layer for layer, _ in _sites(targets, ATTENTION_HEADS)] == [0, 3]
+
+
+@pytest.mark.parametrize("width, heads, layout", [
+    # Llama at tensor-parallel size 2: num_heads is this rank's.
+    (64, {"num_heads": 2, "head_dim": 32}, (2, 32)),
+    # DeepSeek-V2 at size 2: num_heads is the total, num_local_heads this rank's, values of
+    # v_head_dim each (MLA: head_dim is not set).
+    (64, {"num_heads": 4, "num_local_heads": 2, "v_head_dim": 32, "head_dim": None}, (2, 32)),
+    (64, {"num_heads": 4, "num_local_heads": 2, "head_dim": None}, (2, 32)),
+    # CLIP-like: the rank's count in num_heads_per_partition.
+    (64, {"num_heads": 8, "num_heads_per_partition": 4, "head_dim": None}, (4, 16)),
+])
+def test_heads_layout_is_this_ranks(width, heads, layout):
+    model = _CausalLM([_DecoderLayer(width=width, **heads)])
+    (target,) = [t for t in find_targets(model, 128, torch.bfloat16)
+                 if t.component == ATTENTION_HEADS]
+    assert (target.layout["num_heads"], target.layout["head_size"]) == layout
+    assert target.layout["width"] == target.width == width
