@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vllm_capture.engine.instrument import find_targets
-from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES
+from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
 
 
 class _OProj(nn.Linear):
@@ -110,3 +110,40 @@ def test_heads_layout_is_this_ranks(width, heads, layout):
                  if t.component == ATTENTION_HEADS]
     assert (target.layout["num_heads"], target.layout["head_size"]) == layout
     assert target.layout["width"] == target.width == width
+
+
+class _ReplicatedLinear(nn.Linear):
+    """vLLM's linear layers carry their output width as output_size."""
+
+    def __init__(self, width, experts):
+        super().__init__(width, experts)
+        self.output_size = experts
+
+
+class _MoE(nn.Module):
+    def __init__(self, router_name, router):
+        super().__init__()
+        setattr(self, router_name, router)
+        self.experts = nn.Module()
+
+
+class _MoELayer(_DecoderLayer):
+    def __init__(self, block_name, router_name, router):
+        super().__init__()
+        setattr(self, block_name, _MoE(router_name, router))
+
+
+@pytest.mark.parametrize("block_name, router_name, router, dtype", [
+    ("mlp", "gate", _ReplicatedLinear(64, 8), torch.bfloat16),  # Mixtral, Qwen-MoE
+    ("mlp", "gate", nn.Linear(64, 8, dtype=torch.float32), torch.float32),  # GLM-4-MoE
+    ("mlp", "router", _ReplicatedLinear(64, 8), torch.bfloat16),  # GPT-OSS
+    ("feed_forward", "router", _ReplicatedLinear(64, 8), torch.bfloat16),  # Llama 4
+])
+def test_routers_are_found_by_either_name_beside_the_experts(block_name, router_name, router,
+                                                              dtype):
+    model = _CausalLM([_MoELayer(block_name, router_name, router)])
+    (target,) = [t for t in find_targets(model, 64, torch.bfloat16)
+                 if t.component == ROUTER_LOGITS]
+    assert target.name == f"model.layers.0.{block_name}.{router_name}"
+    assert target.module is router
+    assert (target.width, target.dtype) == (8, dtype)

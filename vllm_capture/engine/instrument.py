@@ -71,12 +71,23 @@ def _decoder_layers(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
     return sorted(found, key=lambda t: t[0])
 
 
-def _router_gate(layer: nn.Module) -> nn.Module | None:
-    for block_name in ("mlp", "block_sparse_moe", "moe", "feed_forward"):
+ROUTER_BLOCKS = ("mlp", "block_sparse_moe", "moe", "feed_forward")
+ROUTER_NAMES = ("gate", "router")  # GPT-OSS and Llama 4 call theirs ``router``
+
+
+def _router_gate(layer: nn.Module) -> tuple[str, nn.Module, int] | None:
+    """``(name in the layer, module, experts)`` of the layer's MoE router: a linear layer (vLLM's,
+    or torch's as in GLM-4-MoE) beside the block's ``experts``."""
+    for block_name in ROUTER_BLOCKS:
         block = getattr(layer, block_name, None)
-        gate = getattr(block, "gate", None) if block is not None else None
-        if gate is not None and hasattr(gate, "output_size") and hasattr(block, "experts"):
-            return gate
+        if block is None or not hasattr(block, "experts"):
+            continue
+        for gate_name in ROUTER_NAMES:
+            gate = getattr(block, gate_name, None)
+            width = getattr(gate, "output_size_per_partition",
+                            getattr(gate, "output_size", getattr(gate, "out_features", None)))
+            if isinstance(gate, nn.Module) and width:
+                return f"{block_name}.{gate_name}", gate, int(width)
     return None
 
 
@@ -94,6 +105,15 @@ def _heads_layout(attn: nn.Module, width: int) -> dict[str, int] | None:
     return {"width": width, "num_heads": width // int(head_dim), "head_size": int(head_dim)}
 
 
+# Where find_targets looks, for the message of a component a model has none of.
+WHERE_SITES_ARE = {
+    HIDDEN_STATES: "children of a `layers` list with attention",
+    ATTENTION_HEADS: "self_attn.o_proj of a decoder layer",
+    ROUTER_LOGITS: (f"a linear {' or '.join(ROUTER_NAMES)} beside `experts` in a decoder "
+                    f"layer's {', '.join(ROUTER_BLOCKS)}"),
+}
+
+
 def find_targets(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> list[Target]:
     targets: list[Target] = []
     for layer_id, name, layer in _decoder_layers(model):
@@ -106,12 +126,14 @@ def find_targets(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> list
             if layout is not None:
                 targets.append(Target(ATTENTION_HEADS, layer_id, f"{name}.self_attn.o_proj",
                                       o_proj, layout["width"], dtype, layout))
-        gate = _router_gate(layer)
-        if gate is not None:
-            width = int(getattr(gate, "output_size_per_partition", gate.output_size))
-            gate_dtype = getattr(gate, "out_dtype", None) or dtype
-            targets.append(Target(ROUTER_LOGITS, layer_id, f"{name}.gate", gate, width, gate_dtype,
-                                  {"width": width}))
+        router = _router_gate(layer)
+        if router is not None:
+            gate_name, gate, width = router
+            # torch's own Linear (never quantized) returns its weight's dtype.
+            gate_dtype = getattr(gate, "out_dtype", None) or (
+                gate.weight.dtype if type(gate) is nn.Linear else dtype)
+            targets.append(Target(ROUTER_LOGITS, layer_id, f"{name}.{gate_name}", gate, width,
+                                  gate_dtype, {"width": width}))
     seen: dict[tuple[str, int], str] = {}
     for t in targets:
         other = seen.setdefault((t.component, t.layer_id), t.name)

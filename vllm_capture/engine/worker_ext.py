@@ -22,11 +22,11 @@ import torch
 
 from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.engine.config import EngineCaptureConfig
-from vllm_capture.engine.instrument import find_targets, instrument
+from vllm_capture.engine.instrument import WHERE_SITES_ARE, find_targets, instrument
 from vllm_capture.engine.runners import wrap_runner
 from vllm_capture.kernels.ops import register_op, set_site_handler
 from vllm_capture.session import shm
-from vllm_capture.session.components import COMPONENTS, REPLICATED_COMPONENTS
+from vllm_capture.session.components import COMPONENTS, REPLICATED_COMPONENTS, ROUTER_LOGITS
 from vllm_capture.session.session import CaptureSession
 
 logger = logging.getLogger("vllm_capture")
@@ -59,6 +59,10 @@ def tp_rank_and_size() -> dict:
         return {"tp_rank": 0, "tp_size": 1}
 
 
+# Config fields that give a mixture-of-experts model its experts (one of them, by family).
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
 def install(worker) -> CaptureSession | None:
     cfg = EngineCaptureConfig.from_vllm_config(worker.vllm_config)
     if cfg is None:
@@ -80,6 +84,13 @@ def install(worker) -> CaptureSession | None:
     model_config = worker.vllm_config.model_config
     targets = [t for t in find_targets(model, model_config.get_hidden_size(), model_config.dtype)
                if t.component in cfg.components]
+    hf_config = model_config.hf_text_config
+    moe = any(getattr(hf_config, key, None) for key in MOE_CONFIG_KEYS)
+    for component in sorted(set(cfg.components) - {t.component for t in targets}):
+        if component == ROUTER_LOGITS and not moe:
+            continue  # a dense model: no router to find
+        logger.warning("vllm-capture: %s has no %s call sites (%s); start_capture of that stream "
+                       "will fail", type(model).__name__, component, WHERE_SITES_ARE[component])
     device = next(model.parameters()).device
     max_seqs = int(worker.vllm_config.scheduler_config.max_num_seqs)
     state = CaptureGraphState(device=device, capacity=_capacity(cfg, targets, worker.vllm_config),
