@@ -459,7 +459,8 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
 def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | None,
                       status: dict, grouped: dict, grouped_meta: dict, layouts: dict) -> None:
     """Give every captured layer that no selected row reached a ``[0, width]`` tensor and its
-    layout, so that a result (and each of ``capture_batches``') holds every layer asked for."""
+    layout, so that a result (and each of ``capture_batches``') holds every layer asked for.
+    Every layer of a stream holds the same rows, so these are all its layers, or none."""
     from vllm_capture.session.config import resolve_storage_dtype
 
     known = {int(k): v for k, v in status["layouts"].items()}
@@ -467,12 +468,7 @@ def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | N
                if layer in known and layer not in grouped]
     if not missing:
         return
-    if grouped:
-        empty_dtype = next(iter(grouped.values())).dtype
-    elif dtype is not None:
-        empty_dtype = resolve_storage_dtype(dtype)
-    else:
-        empty_dtype = llm.model_config.dtype
+    empty_dtype = llm.model_config.dtype if dtype is None else resolve_storage_dtype(dtype)
     ranks = [status]
     if stream == ATTENTION_HEADS and int(status.get("tp_size", 1)) > 1:
         ranks = capture_status(llm, stream, all_ranks=True)

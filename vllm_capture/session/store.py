@@ -365,9 +365,11 @@ class StreamStore:
 
     def holds_request(self, req_id: str) -> bool:
         """Whether ``req_id`` has a label index: rows of it are held or may still arrive, or the
-        harvest thread has not yet released it after its finish."""
-        with self.lock:
-            return req_id in self._req_index
+        harvest thread has not yet released it after its finish.
+
+        Without the lock (one dict lookup, atomic): the step path asks for each new request,
+        while the harvest thread may hold the lock for a long append."""
+        return req_id in self._req_index
 
     def registration_order(self, req_index: np.ndarray) -> np.ndarray:
         """The order that puts rows of these (registered) label indices in registration order,
