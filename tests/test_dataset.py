@@ -722,3 +722,19 @@ def test_malformed_manifest_fields_are_named(tmp_path, capsys, edit, match):
     assert main(["inspect", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("vllm-capture: error: ") and err.count("\n") == 1, err
+
+
+def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path):
+    out = tmp_path / "ds"
+    seen = []
+
+    def second_run(entry):  # while the first run writes its shards
+        if not seen:
+            with pytest.raises(UsageError, match="another extract run is writing into"):
+                run(out)
+            seen.append(entry["file"])
+
+    summary = run(out, on_shard=second_run)
+    assert seen and summary["prompts"] == len(PROMPTS)
+    load_dataset(out, verify=True)
+    assert run(out)["prompts"] == 0  # the folder is free again: a rerun finds it complete

@@ -49,6 +49,8 @@ written.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -56,7 +58,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFEST, PROMPT_LENGTH,
                                   PROMPTS_FILE, SHARD_PREFIX, DatasetError, dtype_name,
@@ -707,6 +709,47 @@ def _status_layouts(llm, component: str) -> dict[int, dict]:
     return {layer: dict(v) for layer, v in status["layouts"].items()}
 
 
+@contextlib.contextmanager
+def _sole_writer(out: Path) -> Iterator[None]:
+    """Hold the folder ``out`` for one run: another ``extract`` into it meanwhile (a second
+    process, a scheduler's retry) stops with a UsageError instead of deleting this run's
+    temporary shards and writing over its manifest. The lock is the folder's own (``flock``),
+    so it goes with the process; a folder made for a run that wrote nothing is removed again."""
+    import fcntl
+
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    if made:
+        _check_creatable(out)
+        out.mkdir(parents=True)
+    elif not out.is_dir():
+        raise UsageError(f"--out: {out} exists and is not a folder")
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"--out: another extract run is writing into {out}; wait for it "
+                             "to finish (a rerun then resumes), or use another folder") from None
+        try:
+            yield
+        finally:
+            for folder in made:  # the deepest first
+                if any(folder.iterdir()):
+                    break
+                folder.rmdir()
+    finally:
+        os.close(fd)
+
+
+def _holding_out_dir(run: Callable) -> Callable:
+    @functools.wraps(run)
+    def holding(llm, prompts, out_dir, *args, **kwargs):
+        with _sole_writer(Path(out_dir)):
+            return run(llm, prompts, out_dir, *args, **kwargs)
+    return holding
+
+
+@_holding_out_dir
 def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
             components: Sequence[str] | str = (HIDDEN_STATES,), layers=None,
             select: Any = "last", max_tokens: int = 1, storage_dtype: str | None = None,
@@ -719,8 +762,9 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
     (and is part of the run fingerprint). Resumes a matching unfinished run in ``out_dir``.
     ``on_shard(entry)`` is called after each shard is finished (tests use it to interrupt).
     Returns a summary: prompts and rows processed by this call, seconds, prompts/s, rows/s.
-    Raises UsageError for bad input, before anything is written, and DatasetError for a batch
-    in another dtype than the one the dataset records for its component.
+    Raises UsageError for bad input, before anything is written, and for an ``out_dir`` that
+    another run is writing into; DatasetError for a batch in another dtype than the one the
+    dataset records for its component.
     """
     from vllm_capture.api import capture
 
