@@ -465,9 +465,10 @@ def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
     return manifest
 
 
-def _check_creatable(out: Path) -> None:
-    """UsageError unless the folder ``out`` can be created. Tried for real, and undone:
-    permission bits do not tell (root ignores them; read-only and virtual file systems)."""
+def _create_folders(out: Path) -> list[Path]:
+    """Create the folder ``out`` and the parents it lacks; the folders made, the deepest first.
+    UsageError (nothing left made) where it cannot be created: tried for real, as permission
+    bits do not tell (root ignores them; read-only and virtual file systems)."""
     missing = []
     existing = Path(os.path.abspath(out))  # without "..": "x/.." exists only once x does
     while not existing.exists():
@@ -475,16 +476,28 @@ def _check_creatable(out: Path) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise UsageError(f"--out: cannot create {out}: {existing} is a file, not a folder")
-    created = []
+    created: list[Path] = []
     try:
         for folder in reversed(missing):
             folder.mkdir()
-            created.append(folder)
+            created.insert(0, folder)
     except OSError as exc:
+        _remove_empty(created)
         raise UsageError(f"--out: cannot create {out}: {exc.strerror} ({exc.filename})") from None
-    finally:
-        for folder in reversed(created):
-            folder.rmdir()
+    return created
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (the deepest first) while they are empty."""
+    for folder in folders:
+        if any(folder.iterdir()):
+            break
+        folder.rmdir()
+
+
+def _check_creatable(out: Path) -> None:
+    """UsageError unless the folder ``out`` can be created (made, then removed again)."""
+    _remove_empty(_create_folders(out))
 
 
 def _clean_leftovers(out: Path, manifest: dict) -> list[str]:
@@ -717,11 +730,8 @@ def _sole_writer(out: Path) -> Iterator[None]:
     so it goes with the process; a folder made for a run that wrote nothing is removed again."""
     import fcntl
 
-    made = [p for p in (out, *out.parents) if not p.exists()]
-    if made:
-        _check_creatable(out)
-        out.mkdir(parents=True)
-    elif not out.is_dir():
+    made = [] if out.exists() else _create_folders(out)
+    if not out.is_dir():
         raise UsageError(f"--out: {out} exists and is not a folder")
     fd = os.open(out, os.O_RDONLY)
     try:
@@ -733,10 +743,7 @@ def _sole_writer(out: Path) -> Iterator[None]:
         try:
             yield
         finally:
-            for folder in made:  # the deepest first
-                if any(folder.iterdir()):
-                    break
-                folder.rmdir()
+            _remove_empty(made)
     finally:
         os.close(fd)
 
