@@ -793,13 +793,14 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
                              "(router_logits needs a mixture-of-experts model)")
         layer_map[c] = resolve_layers(requested_layers, sorted(available), f"{c} of {model}")
         layouts[c] = {layer: available[layer] for layer in layer_map[c]}
-    check_prompt_lengths(llm, prompts)
 
     fingerprint = plan.fingerprint(model)
-    out = Path(out_dir)
+    out = Path(out_dir)  # made and held by _sole_writer
     manifest = check_output(out, fingerprint)
+    start = manifest["shards"][-1]["prompt_end"] if manifest and manifest["shards"] else 0
+    # The prompts a resumed run finished went through the engine already.
+    check_prompt_lengths(llm, prompts[start:])
     if manifest is None:
-        out.mkdir(parents=True, exist_ok=True)
         manifest = {
             "format": FORMAT, "version": FORMAT_VERSION, "complete": False,
             "run": fingerprint,
@@ -830,7 +831,6 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
             for p in prompts))
 
     shards: list[dict] = manifest["shards"]
-    start = shards[-1]["prompt_end"] if shards else 0
     summary = {"out": str(out), "prompts": 0, "rows": 0, "seconds": 0.0, "resumed_at": start,
                "shards_written": 0}
     if start >= len(prompts):
