@@ -48,8 +48,9 @@ def test_fetch_carries_numpy_layer_ids_and_tuples_of_request_ids():
     llm = _EncodingEngine({"tp_rank": 0, "tp_size": 1, "layers": {}})
     assert vc.fetch_captured(llm, vc.HIDDEN_STATES, layers=[np.int32(3)],
                              req_ids=("a", "b"))[0] == {}
-    _, (stream, clear, layers, req_ids, _) = llm.calls[0]
-    assert (stream, clear, layers, req_ids) == (vc.HIDDEN_STATES, True, [3], ["a", "b"])
+    _, (stream, clear, layers, req_ids, _, as_text) = llm.calls[0]
+    assert (stream, clear, layers, req_ids, as_text) == (
+        vc.HIDDEN_STATES, True, [3], ["a", "b"], False)
 
 
 def test_max_tokens_with_sampling_params_is_refused():

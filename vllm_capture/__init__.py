@@ -3,8 +3,8 @@
 Public names follow the capture API contract (constants, CaptureMeta, SelectSpec,
 deserialize_captured, match_capture_request_id, StreamConfig, StreamStore, CaptureSession), plus
 the client helpers (LLM, engine_kwargs, capture, capture_batches, CaptureResult), the spec's RPCs
-as client calls (start_capture, stop_capture, fetch_captured, clear_captured, capture_status) and
-load_dataset.
+as client calls (start_capture, stop_capture, fetch_captured, clear_captured, capture_status), Server
+(those calls on a running vLLM server) and load_dataset.
 """
 
 from vllm_capture.selection import SelectSpec
@@ -22,6 +22,10 @@ def __getattr__(name):
         from vllm_capture import api
 
         return getattr(api, name)
+    if name == "Server":
+        from vllm_capture.server import Server
+
+        return Server
     if name == "engine_kwargs":
         from vllm_capture.engine.config import engine_kwargs
 
@@ -38,5 +42,5 @@ __all__ = [
     "deserialize_captured", "match_capture_request_id", "StreamConfig", "StreamStore",
     "CaptureSession", "LLM", "engine_kwargs", "capture", "capture_batches", "CaptureResult",
     "start_capture", "stop_capture", "fetch_captured", "clear_captured", "capture_status",
-    "load_dataset",
+    "Server", "load_dataset",
 ]

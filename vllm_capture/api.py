@@ -13,6 +13,7 @@ import torch
 
 from vllm_capture.engine.config import engine_kwargs
 from vllm_capture.selection import SelectSpec
+from vllm_capture.server import Server
 from vllm_capture.session import shm
 from vllm_capture.session.components import ATTENTION_HEADS, COMPONENTS, HIDDEN_STATES
 from vllm_capture.session.session import EXTRA_ARGS_KEY
@@ -41,7 +42,8 @@ _TAGGED = re.compile(r"\[vllm-capture (ValueError|RuntimeError)\] (.*?)(?:', ple
 
 
 def _rpc(llm, method: str, *args) -> list[dict]:
-    """Call a capture RPC on every worker; worker errors come back as ValueError/RuntimeError."""
+    """Call a capture RPC on every worker of ``llm`` (a ``vllm.LLM`` or a ``Server``); worker
+    errors come back as ValueError/RuntimeError."""
     try:
         return llm.collective_rpc(method, args=args)
     except Exception as exc:
@@ -89,6 +91,11 @@ def capture_status(llm, stream: str = HIDDEN_STATES, all_ranks: bool = False):
 
 
 def _by_rank(replies: list[dict]) -> list[dict]:
+    """Status replies in rank order, their layouts keyed by int layer id (JSON, from a
+    ``Server``, carries the keys as strings)."""
+    for reply in replies:
+        if isinstance(reply.get("layouts"), dict):
+            reply["layouts"] = {int(k): v for k, v in reply["layouts"].items()}
     return sorted(replies, key=lambda r: r.get("tp_rank", 0))
 
 
@@ -97,14 +104,14 @@ def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
     """Fetch and decode: ``(tensors, meta, layouts)`` keyed by layer id (shards joined).
 
     Workers on this host hand the rows over through ``/dev/shm`` (``session/shm.py``); others
-    send them in the RPC reply. Rows that came through ``/dev/shm`` are not copied (unless
+    send them in the RPC reply (as base64 text from a ``Server``). Rows that came through ``/dev/shm`` are not copied (unless
     attention-head shards are joined): the tensors (writable) view a private mapping of the
     reply file, whose memory stays in use until every tensor of this fetch, and every view of
     one, is freed (then the file is reused by a later fetch); ``.clone()`` what you keep of a
     large fetch.
     """
     replies = _rpc(llm, "fetch_captured", stream, clear, _rpc_value(layers), _rpc_value(req_ids),
-                   shm.client_probe())
+                   shm.client_probe(), isinstance(llm, Server))
     return join_shards(stream, shm.read_replies(replies))
 
 
@@ -385,6 +392,12 @@ def _select_list(per_prompt_selects, count: int) -> list:
     return selects
 
 
+def _check_generates(llm) -> None:
+    if isinstance(llm, Server):
+        raise TypeError(f"llm: capture() generates through vllm.LLM, not {llm!r}; around a "
+                        "server's own requests call start_capture and fetch_captured")
+
+
 def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: int | None = None,
             layers: list[int] | None = None, dtype: str | None = None,
             select: SelectSpec | dict | None = None,
@@ -400,6 +413,7 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
     """
     from vllm import SamplingParams
 
+    _check_generates(llm)
     if stream not in COMPONENTS:
         raise ValueError(f"stream: unknown {stream!r}; choose one of {list(COMPONENTS)}")
     prompts = _prompt_list(prompts)
@@ -463,7 +477,7 @@ def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | N
     Every layer of a stream holds the same rows, so these are all its layers, or none."""
     from vllm_capture.session.config import resolve_storage_dtype
 
-    known = {int(k): v for k, v in status["layouts"].items()}
+    known = status["layouts"]
     missing = [layer for layer in (sorted(known) if layers is None else dict.fromkeys(layers))
                if layer in known and layer not in grouped]
     if not missing:
@@ -474,8 +488,7 @@ def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | N
         ranks = capture_status(llm, stream, all_ranks=True)
     for layer in missing:
         if len(ranks) > 1:
-            layout = _joined_heads_layout([{int(k): v for k, v in r["layouts"].items()}[layer]
-                                           for r in ranks])
+            layout = _joined_heads_layout([r["layouts"][layer] for r in ranks])
         else:
             layout = dict(known[layer])
         grouped[layer] = torch.empty((0, layout["width"]), dtype=empty_dtype)
@@ -489,6 +502,7 @@ def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
     """``capture()`` over consecutive batches: memory stays bounded by one batch's rows.
 
     The arguments are checked here, before the first batch runs."""
+    _check_generates(llm)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
     prompts = _prompt_list(prompts)

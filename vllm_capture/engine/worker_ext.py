@@ -25,7 +25,7 @@ from vllm_capture.engine.config import EngineCaptureConfig
 from vllm_capture.engine.instrument import WHERE_SITES_ARE, find_targets, instrument
 from vllm_capture.engine.runners import wrap_runner
 from vllm_capture.kernels.ops import register_op, set_site_handler
-from vllm_capture.session import shm
+from vllm_capture.session import shm, wire
 from vllm_capture.session.components import COMPONENTS, REPLICATED_COMPONENTS, ROUTER_LOGITS
 from vllm_capture.session.session import CaptureSession
 
@@ -200,7 +200,10 @@ class CaptureWorkerExtension:
 
     @_tagged_errors
     def fetch_captured(self, stream: str, clear: bool = True, layers: list | None = None,
-                       req_ids: list | None = None, shm_probe: dict | None = None) -> dict:
+                       req_ids: list | None = None, shm_probe: dict | None = None,
+                       bytes_as_text: bool = False) -> dict:
+        """``bytes_as_text``: the reply crosses JSON (a server's ``/collective_rpc``), so its
+        bytes ride as base64 text (``wire.bytes_as_text``)."""
         session = self._capture_session()
         with torch.inference_mode():
             data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids,
@@ -217,7 +220,7 @@ class CaptureWorkerExtension:
         # This client's next fetch finds its reply file populated while the rows arrived.
         session.on_stored = (functools.partial(shm.want_spare, owner=owner) if shared and owner
                              else None)
-        return reply
+        return wire.bytes_as_text(reply) if bytes_as_text else reply
 
     @_tagged_errors
     def clear_captured(self, stream: str) -> dict:

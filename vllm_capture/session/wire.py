@@ -5,7 +5,8 @@ since numpy has no bfloat16), so the wire volume equals the stored volume and
 no float32 upcast happens on the worker. Row labels ride beside them as
 little-endian int32 columns plus a request-id table. Only bytes, str, int,
 list and dict appear, so the payload survives msgpack (vLLM's RPC codec)
-without custom hooks.
+without custom hooks. Through JSON (a server's ``/collective_rpc``), bytes ride
+as base64 text: :func:`bytes_as_text` and :func:`bytes_from_text`.
 
 The decoder treats the payload as untrusted input: it comes from another
 process, possibly another version. Anything malformed raises ``ValueError``
@@ -13,6 +14,8 @@ with the layer it concerns, because a silently misaligned label is worse for
 a user than a failed fetch.
 """
 
+import base64
+import binascii
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,6 +89,39 @@ def match_capture_request_id(label_req_id: str, request_id: str) -> bool:
         and len(label_req_id) == len(request_id) + 9
         and all(c in _HEX for c in label_req_id[-8:])
     )
+
+
+# The one key of the JSON object that stands for a bytes value (``bytes_as_text``).
+TEXT_BYTES_KEY = "__vllm_capture_base64__"
+
+
+def bytes_as_text(value: Any) -> Any:
+    """``value`` (dicts, lists and scalars) with every bytes-like value as
+    ``{TEXT_BYTES_KEY: base64 text}``: what JSON can carry. A fresh copy."""
+    if isinstance(value, _BYTES):
+        return {TEXT_BYTES_KEY: base64.b64encode(value).decode("ascii")}
+    if isinstance(value, Mapping):
+        return {k: bytes_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [bytes_as_text(v) for v in value]
+    return value
+
+
+def bytes_from_text(value: Any) -> Any:
+    """The inverse of :func:`bytes_as_text`; malformed base64 raises ``ValueError``."""
+    if isinstance(value, Mapping):
+        if set(value) == {TEXT_BYTES_KEY}:
+            text = value[TEXT_BYTES_KEY]
+            if not isinstance(text, str):
+                raise ValueError(f"{TEXT_BYTES_KEY}: expected base64 text, got {type(text).__name__}")
+            try:
+                return base64.b64decode(text, validate=True)
+            except binascii.Error as exc:
+                raise ValueError(f"{TEXT_BYTES_KEY}: not base64 ({exc})") from None
+        return {k: bytes_from_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [bytes_from_text(v) for v in value]
+    return value
 
 
 def serialize_capture_layer(
