@@ -90,3 +90,16 @@ def test_capture_batches_reads_an_iterator_of_selections_once(monkeypatch):
     assert batches == [2, 2, 1]
     assert [p for p, _ in seen] == [["a", "b"], ["c", "d"], ["e"]]
     assert [s.prompt_positions for _, batch in seen for s in batch] == [(i,) for i in range(5)]
+
+
+def test_an_engine_without_the_worker_extension_is_named_as_such():
+    class _Plain:
+        def collective_rpc(self, method, args=()):
+            # vLLM's message when the worker class lacks the method (seen from a real engine).
+            raise Exception(f"Call to collective_rpc method failed: Worker failed with error "
+                            f"''CPUWorker' object has no attribute '{method}'', please check the "
+                            f"stack trace above for the root cause")
+
+    with pytest.raises(RuntimeError, match="worker_extension_cls='vllm_capture.engine.worker_ext"
+                                           ".CaptureWorkerExtension'"):
+        vc.start_capture(_Plain(), vc.HIDDEN_STATES)

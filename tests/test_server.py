@@ -150,7 +150,7 @@ def test_server_names_what_the_server_lacks(stub):
         vc.capture_status(vc.Server(url))
     _answer(cls, 500, {"error": {"message": "Worker failed with error ''Worker' object has no "
                                             "attribute 'capture_status''"}})
-    with pytest.raises(RuntimeError, match="--worker-extension-cls " + WORKER_EXTENSION):
+    with pytest.raises(RuntimeError, match=f"worker_extension_cls='{WORKER_EXTENSION}'"):
         vc.capture_status(vc.Server(url))
     _answer(cls, 200, b"<html>")
     with pytest.raises(RuntimeError, match="unexpected reply"):

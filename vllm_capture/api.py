@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from vllm_capture.engine.config import engine_kwargs
+from vllm_capture.engine.config import CONFIG_KEY, WORKER_EXTENSION, engine_kwargs
 from vllm_capture.selection import SelectSpec
 from vllm_capture.server import Server
 from vllm_capture.session import shm
@@ -47,6 +47,12 @@ def _rpc(llm, method: str, *args) -> list[dict]:
     try:
         return llm.collective_rpc(method, args=args)
     except Exception as exc:
+        if f"no attribute '{method}'" in str(exc):
+            raise RuntimeError(
+                f"the engine's workers have no {method}: vllm-capture's worker extension is "
+                f"not installed; pass worker_extension_cls={WORKER_EXTENSION!r} and "
+                f"additional_config={{'{CONFIG_KEY}': {{...}}}} (vc.LLM and vc.engine_kwargs do; "
+                f"for a server, --worker-extension-cls and --additional-config)") from exc
         m = _TAGGED.search(str(exc))
         if m is None:
             raise

@@ -22,7 +22,6 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from vllm_capture.engine.config import CONFIG_KEY, WORKER_EXTENSION
 from vllm_capture.session.wire import bytes_from_text
 
 
@@ -82,8 +81,4 @@ class Server:
             message = error.get("error", {}).get("message") or error.get("detail") or str(error)
         except (ValueError, AttributeError):
             message = text.decode(errors="replace")
-        if f"no attribute '{method}'" in message:
-            return (f"the workers of {self.url} have no {method}: start the server with "
-                    f"--worker-extension-cls {WORKER_EXTENSION} and --additional-config "
-                    f"'{{\"{CONFIG_KEY}\": {{}}}}'")
         return f"{self.url}/collective_rpc {method} failed (HTTP {status}): {message}"
