@@ -110,11 +110,11 @@ def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
     """Fetch and decode: ``(tensors, meta, layouts)`` keyed by layer id (shards joined).
 
     Workers on this host hand the rows over through ``/dev/shm`` (``session/shm.py``); others
-    send them in the RPC reply (as base64 text from a ``Server``). Rows that came through ``/dev/shm`` are not copied (unless
-    attention-head shards are joined): the tensors (writable) view a private mapping of the
-    reply file, whose memory stays in use until every tensor of this fetch, and every view of
-    one, is freed (then the file is reused by a later fetch); ``.clone()`` what you keep of a
-    large fetch.
+    send them in the RPC reply (as base64 text from a ``Server``). Rows that came through
+    ``/dev/shm`` are not copied (unless attention-head shards are joined): the tensors (writable)
+    view a private mapping of the reply file, whose memory stays in use until every tensor of
+    this fetch, and every view of one, is freed (then the file is reused by a later fetch);
+    ``.clone()`` what you keep of a large fetch.
     """
     replies = _rpc(llm, "fetch_captured", stream, clear, _rpc_value(layers), _rpc_value(req_ids),
                    shm.client_probe(), isinstance(llm, Server))

@@ -28,9 +28,9 @@ from vllm_capture.session.wire import bytes_from_text
 class Server:
     """The capture RPCs of one vLLM server at ``url`` (``http://host:port``).
 
-    ``timeout``: seconds an RPC may take, end to end, before the call raises (a fetch of many
-    rows takes longer: its rows are encoded, sent and decoded). ``api_key``: sent as a bearer
-    token, for a server started with ``--api-key``.
+    ``timeout``: seconds to wait for the server's answer, which starts only once every worker
+    has done the call (a fetch of many rows takes longest), and then for each read of it.
+    ``api_key``: sent as a bearer token, for a server started with ``--api-key``.
     """
 
     def __init__(self, url: str, *, timeout: float = 600.0, api_key: str | None = None):
