@@ -1697,6 +1697,25 @@ def test_eager_counters_and_idle_handle():
     assert session.fetch_stream(HS) == {}
 
 
+def test_an_eager_step_that_selects_no_row_launches_nothing():
+    """A clause that keeps the last prompt row: the prefill step launches on every enabled site,
+    the decode steps after it select nothing and launch nothing, and the rows are the same."""
+    engine = Engine()
+    ref = RefStream(HS, 8, select=SelectSpec(prompt_positions=(-1,)).to_wire())
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, select=SelectSpec(prompt_positions=(-1,)).to_wire())
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 4, 4])
+    engine.step([(a, 3)])
+    sites = [engine.site(HS, layer) for layer in (0, 1, 2)]
+    assert [s.eager_executions for s in sites] == [1, 1, 1]
+    for _ in range(3):
+        engine.step([(a, 1)])
+    assert [s.eager_executions for s in sites] == [1, 1, 1]
+    assert [int(s.counter[L.SITE_EXECUTIONS]) for s in sites] == [1, 1, 1]
+    assert engine.session.stream_status(HS)["eager_capture_forwards"] == 1
+    check_rows(ref, decode_rows(*engine.fetch(HS)), {(a.rid, 2)})
+
+
 def _prefilled_pair(reduce: str, generated: int):
     """An engine with one ``HS`` stream and two requests of two-token prompts, both prefilled."""
     engine = Engine(acc_slots=3)

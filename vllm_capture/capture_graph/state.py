@@ -405,8 +405,9 @@ class CaptureGraphState:
         buf = self.streams[site.component]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing:
-            if not self.step_active or buf.mode == L.MODE_OFF or not site.enabled:
-                # Eager step with nothing to capture: skip the launch (counter not bumped).
+            if not self.step_active or buf.count == 0 or not site.enabled:
+                # Eager step with nothing to capture (no plan, or a plan of no rows: a clause
+                # that selects nothing in this step): skip the launch (counter not bumped).
                 return
             site.eager_executions += 1
             self.step_eager_launches += 1
