@@ -89,13 +89,15 @@ def test_capture_refuses_a_server():
 
 
 class _Stub(http.server.BaseHTTPRequestHandler):
-    """Answers every POST with the class's ``status`` and ``body``; keeps what it was sent."""
+    """Answers every POST with the class's ``status`` and ``body`` after ``delay`` seconds;
+    keeps what it was sent."""
 
-    status, body, seen = 200, b"", []
+    status, body, seen, delay = 200, b"", [], 0.0
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         length = int(self.headers["Content-Length"])
         type(self).seen.append((self.path, dict(self.headers), json.loads(self.rfile.read(length))))
+        time.sleep(self.delay)
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
@@ -107,7 +109,7 @@ class _Stub(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub():
-    _Stub.seen = []
+    _Stub.seen, _Stub.delay = [], 0.0
     httpd = http.server.HTTPServer(("127.0.0.1", 0), _Stub)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -124,12 +126,14 @@ def _answer(stub_cls, status: int, body) -> None:
 def test_server_sends_the_rpc_as_vllm_dev_endpoint_reads_it(stub):
     cls, url = stub
     _answer(cls, 200, {"results": [{"tp_rank": 0, "layouts": {"2": {"width": 8}}}]})
+    select = vc.SelectSpec(prompt_positions=(-1,))
     status = vc.start_capture(vc.Server(url, api_key="k"), vc.HIDDEN_STATES, layers=range(2),
-                              dtype=torch.float16)
+                              dtype=torch.float16, select=select)
     path, headers, body = cls.seen[0]
     assert path == "/collective_rpc" and headers["Authorization"] == "Bearer k"
     assert body == {"method": "start_capture", "kwargs": {},
-                    "args": ["hidden_states", {"layers": [0, 1], "dtype": "torch.float16"}]}
+                    "args": ["hidden_states", {"layers": [0, 1], "dtype": "torch.float16",
+                                               "select": select.to_wire()}]}
     assert status["layouts"] == {2: {"width": 8}}  # int layer ids, as from vllm.LLM
 
 
@@ -155,6 +159,14 @@ def test_server_names_what_the_server_lacks(stub):
     _answer(cls, 200, b"<html>")
     with pytest.raises(RuntimeError, match="unexpected reply"):
         vc.capture_status(vc.Server(url))
+
+
+def test_a_server_that_does_not_answer_in_time(stub):
+    cls, url = stub
+    _answer(cls, 200, {"results": [{"tp_rank": 0, "tp_size": 1, "layers": {}}]})
+    cls.delay = 2.0
+    with pytest.raises(TimeoutError, match="clear=True has then dropped the rows"):
+        vc.fetch_captured(vc.Server(url, timeout=0.2), vc.HIDDEN_STATES)
 
 
 def test_server_that_is_not_there():

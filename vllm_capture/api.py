@@ -60,10 +60,13 @@ def _rpc(llm, method: str, *args) -> list[dict]:
 
 
 def _rpc_value(value):
-    """``value`` as vLLM's RPC encoder carries it: a torch dtype by its name, numpy ints, ranges
-    and arrays as Python ints and lists (the workers check what they are given)."""
+    """``value`` as vLLM's RPC encoder (and JSON, to a ``Server``) carries it: a torch dtype by
+    its name, a SelectSpec as its wire dict, numpy ints, ranges and arrays as Python ints and
+    lists (the workers check what they are given)."""
     if isinstance(value, torch.dtype):
         return str(value)
+    if isinstance(value, SelectSpec):
+        return value.to_wire()
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.ndarray):

@@ -9,7 +9,8 @@ The server must have been started with capture installed (``--additional-config
 '{"capture": {}}' --worker-extension-cls vllm_capture.engine.worker_ext.CaptureWorkerExtension``)
 and with ``VLLM_SERVER_DEV_MODE=1``, which serves vLLM's ``/collective_rpc`` endpoint: the
 capture calls reach the workers through it, as ``vllm.LLM.collective_rpc`` does in process. That
-endpoint calls any worker method for anyone who can reach the port; keep such a server private.
+endpoint calls any worker method for anyone who can reach the port (vLLM's ``--api-key`` does
+not guard it); keep such a server private.
 
 The endpoint speaks JSON, so a fetch's rows ride as base64 text, except on the server's own host,
 where they come through ``/dev/shm`` as they do from an in-process engine.
@@ -30,7 +31,8 @@ class Server:
 
     ``timeout``: seconds to wait for the server's answer, which starts only once every worker
     has done the call (a fetch of many rows takes longest), and then for each read of it.
-    ``api_key``: sent as a bearer token, for a server started with ``--api-key``.
+    ``api_key``: sent as a bearer token, for a proxy in front of the server that wants one
+    (vLLM's ``--api-key`` does not guard ``/collective_rpc``).
     """
 
     def __init__(self, url: str, *, timeout: float = 600.0, api_key: str | None = None):
@@ -63,7 +65,11 @@ class Server:
         except urllib.error.HTTPError as exc:
             raise RuntimeError(self._failure(method, exc.code, exc.read())) from None
         except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise self._timed_out(method) from None
             raise ConnectionError(f"{self.url}: {exc.reason}") from None
+        except TimeoutError:
+            raise self._timed_out(method) from None
         if not text:  # the endpoint's reply when every worker returned None
             return []
         try:
@@ -71,6 +77,13 @@ class Server:
         except (ValueError, KeyError, TypeError):
             raise RuntimeError(f"{self.url}/collective_rpc: unexpected reply {text[:200]!r}") from None
         return bytes_from_text(results)
+
+    def _timed_out(self, method: str) -> TimeoutError:
+        return TimeoutError(
+            f"{self.url}: no answer to {method} within {self.timeout:g} s. The workers may have "
+            f"done the call all the same: a fetch with clear=True has then dropped the rows it "
+            f"fetched. Fetch large captures in parts (layers=, req_ids=) or with clear=False "
+            f"then clear_captured, or give Server a longer timeout")
 
     def _failure(self, method: str, status: int, text: bytes) -> str:
         if status == 404:

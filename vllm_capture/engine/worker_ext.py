@@ -179,7 +179,8 @@ class CaptureWorkerExtension:
             raise RuntimeError(
                 "this engine was built without capture: pass "
                 "additional_config={'capture': {...}} (use vllm_capture.LLM or "
-                "vllm_capture.engine_kwargs)")
+                "vllm_capture.engine_kwargs; for a server, --additional-config "
+                "'{\"capture\": {}}')")
         return session
 
     @_tagged_errors

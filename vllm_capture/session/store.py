@@ -1045,8 +1045,9 @@ class StreamStore:
                 "captured (a prefix-cache hit skipped computing them, on admission or on "
                 "resuming after preemption, or the stream started after the request), so "
                 "this capture is incomplete. Submit capture requests with "
-                "SamplingParams(skip_reading_prefix_cache=True) after starting the stream, "
-                "fetch with req_ids excluding them, or clear the stream."
+                "SamplingParams(skip_reading_prefix_cache=True) (through a server: a cache_salt "
+                "of their own) after starting the stream, fetch with req_ids excluding them, or "
+                "clear the stream."
             )
 
     def _indices_for(self, req_ids: list[str]) -> set[int]:
