@@ -78,18 +78,31 @@ def test_bad_prompts_or_selections_are_refused_before_any_request(call, prompts,
 
 def test_capture_batches_reads_an_iterator_of_selections_once(monkeypatch):
     seen = []
-
-    def recording(llm, prompts, per_prompt_selects=None, **kwargs):
-        seen.append((list(prompts), per_prompt_selects))
-        return len(prompts)
-
-    monkeypatch.setattr(vc.api, "capture", recording)
+    monkeypatch.setattr(vc.api, "_run", lambda llm, checked: seen.append(checked) or len(
+        checked.prompts))
     selects = (vc.SelectSpec(prompt_positions=(i,)) for i in range(5))
     batches = list(vc.capture_batches(_NoEngine(), list("abcde"), batch_size=2,
-                                      per_prompt_selects=selects))
+                                      per_prompt_selects=selects, max_tokens=3))
     assert batches == [2, 2, 1]
-    assert [p for p, _ in seen] == [["a", "b"], ["c", "d"], ["e"]]
-    assert [s.prompt_positions for _, batch in seen for s in batch] == [(i,) for i in range(5)]
+    assert [c.prompts for c in seen] == [["a", "b"], ["c", "d"], ["e"]]
+    wires = [p.extra_args["capture"][vc.HIDDEN_STATES] for c in seen for p in c.params]
+    assert wires == [vc.SelectSpec(prompt_positions=(i,)).to_wire() for i in range(5)]
+    assert {p.max_tokens for c in seen for p in c.params} == {3}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(per_prompt_selects=[None, None, {"prompt_positions": "x"}]), "per_prompt_selects\\[2\\]"),
+    (dict(stream="nonsense"), "^stream:"),
+    (dict(sampling_params=object()), "^sampling_params:"),
+    (dict(max_tokens=2, temperature=0.5, n=2), "n=1"),
+    (dict(layers="1"), "^layers"),
+    (dict(dtype="int8"), "^dtype"),
+    (dict(budget_rows=-1), "^budget_rows"),
+    (dict(select={"nonsense": 1}), "select"),
+])
+def test_capture_batches_checks_every_argument_before_the_first_batch(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        vc.capture_batches(_NoEngine(), ["a", "b", "c"], batch_size=1, **kwargs)
 
 
 def test_an_engine_without_the_worker_extension_is_named_as_such():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -197,7 +198,10 @@ def _spec(value, name: str) -> SelectSpec | None:
     if value is None or isinstance(value, SelectSpec):
         return value
     if isinstance(value, dict):
-        return SelectSpec.from_wire(value)
+        try:
+            return SelectSpec.from_wire(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}: {exc}") from None
     raise ValueError(f"{name}: expected a SelectSpec, its wire dict, or None; got {type(value).__name__}")
 
 
@@ -420,7 +424,37 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
     buffer capacity), if a request failed or its prompt rows were skipped by the prefix cache, and
     always stops the stream.
     """
+    return _run(llm, _check(llm, prompts, stream, max_tokens, layers, dtype, select,
+                            per_prompt_selects, budget_rows, sampling_params, use_tqdm,
+                            sampling_kwargs))
+
+
+_CAPTURE_SIGNATURE = inspect.signature(capture)
+
+
+@dataclass
+class _Checked:
+    """A capture's arguments, checked: each prompt with its own SamplingParams, and the stream's
+    configuration as ``start_capture`` takes it."""
+
+    stream: str
+    prompts: list
+    params: list
+    config: dict[str, Any]
+    use_tqdm: bool
+
+    def part(self, start: int, stop: int) -> "_Checked":
+        return _Checked(self.stream, self.prompts[start:stop], self.params[start:stop],
+                        self.config, self.use_tqdm)
+
+
+def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_selects,
+           budget_rows, sampling_params, use_tqdm, sampling_kwargs) -> _Checked:
+    """Every check ``capture()`` makes before it starts the stream, the workers' checks of the
+    stream's configuration included (the layers the model has are checked by its workers)."""
     from vllm import SamplingParams
+
+    from vllm_capture.session.config import StreamConfig
 
     _check_generates(llm)
     if stream not in COMPONENTS:
@@ -453,13 +487,18 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
         if needs_full_prompt(effective):
             p.skip_reading_prefix_cache = True
         params.append(p)
-
-    config: dict[str, Any] = {"layers": layers, "dtype": dtype,
+    config: dict[str, Any] = {"layers": _rpc_value(layers), "dtype": dtype,
                               "select": spec.to_wire() if spec is not None else None,
                               "budget_rows": budget_rows}
+    StreamConfig(**config)
+    return _Checked(stream, prompts, params, config, use_tqdm)
+
+
+def _run(llm, checked: _Checked) -> CaptureResult:
+    stream, config = checked.stream, checked.config
     start_capture(llm, stream, **config)
     try:
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = llm.generate(checked.prompts, checked.params, use_tqdm=checked.use_tqdm)
         tensors, meta, layouts = fetch_captured(llm, stream, clear=False)
         status = capture_status(llm, stream)
         if status.get("tokens_dropped"):
@@ -475,7 +514,8 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
     # before it hears the request stopped; those rows are not part of the returned sequence.
     ends = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outputs]
     grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids, ends)
-    _add_empty_layers(llm, stream, layers, dtype, status, grouped, grouped_meta, layouts)
+    _add_empty_layers(llm, stream, config["layers"], config["dtype"], status, grouped,
+                      grouped_meta, layouts)
     return CaptureResult(grouped, outputs, layouts, stream, grouped_meta, offsets)
 
 
@@ -507,24 +547,19 @@ def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | N
 
 
 def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
-                    per_prompt_selects: Sequence | None = None, **kwargs) -> Iterator[CaptureResult]:
+                    **kwargs) -> Iterator[CaptureResult]:
     """``capture()`` over consecutive batches: memory stays bounded by one batch's rows.
 
-    The arguments are checked here, before the first batch runs."""
-    _check_generates(llm)
+    ``kwargs`` are ``capture()``'s. Every argument is checked here, before the first batch runs
+    (the layers the model has when the first batch starts the stream, before it generates)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    prompts = _prompt_list(prompts)
-    if per_prompt_selects is not None:
-        per_prompt_selects = _select_list(per_prompt_selects, len(prompts))
-    return _batches(llm, prompts, batch_size, per_prompt_selects, kwargs)
+    bound = _CAPTURE_SIGNATURE.bind(llm, prompts, **kwargs)
+    bound.apply_defaults()
+    checked = _check(**bound.arguments)  # capture()'s parameters, by name
+    return _batches(llm, checked, batch_size)
 
 
-def _batches(llm, prompts: list, batch_size: int, per_prompt_selects: list | None,
-             kwargs: dict) -> Iterator[CaptureResult]:
-    for start in range(0, len(prompts), batch_size):
-        chunk_selects = None
-        if per_prompt_selects is not None:
-            chunk_selects = per_prompt_selects[start: start + batch_size]
-        yield capture(llm, prompts[start: start + batch_size], per_prompt_selects=chunk_selects,
-                      **kwargs)
+def _batches(llm, checked: _Checked, batch_size: int) -> Iterator[CaptureResult]:
+    for start in range(0, len(checked.prompts), batch_size):
+        yield _run(llm, checked.part(start, start + batch_size))
