@@ -408,6 +408,23 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tiny, tmp_path, c
     assert not out.exists()
 
 
+def test_a_folder_another_run_holds_is_refused_before_the_engine_starts(tiny, prompts_file,
+                                                                        tmp_path, capsys):
+    import fcntl
+
+    out = tmp_path / "ds"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)  # another run's hold on the folder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        capsys.readouterr()
+        assert main(extract_args(tiny, prompts_file, out), llm_factory=no_engine) == 2
+        assert "another extract run is writing into" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    assert out.is_dir() and not any(out.iterdir())
+
+
 def test_engine_options_reach_the_engine(tiny, prompts_file, tmp_path):
     seen = {}
 

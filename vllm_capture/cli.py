@@ -1128,25 +1128,27 @@ def _default_llm_factory(model: str, components: Sequence[str], engine_options: 
 
 def _run_extract(model: str, prompts: Sequence, out: str, *, llm_factory: Callable,
                  progress: bool = True, **options) -> dict:
-    """Validate everything that can be validated without an engine, then start one and extract."""
+    """Validate everything that can be validated without an engine, then start one and extract.
+    The folder is held from before the engine starts (a second run into it stops at once)."""
     plan = plan_run(prompts, **options)
     check_model(model, plan.components, plan.layers)
-    manifest = check_output(out, plan.fingerprint(model))
-    if manifest is not None and manifest.get("complete"):
-        print(f"{out}: already complete ({manifest['rows'][plan.components[0]]} rows); nothing to do",
-              file=sys.stderr)
-        return {"out": str(out), "prompts": 0, "rows": 0, "seconds": 0.0,
-                "already_complete": True}
-    if manifest is not None:
-        done = manifest["shards"][-1]["prompt_end"] if manifest["shards"] else 0
-        print(f"{out}: resuming after prompt {done} of {len(plan.prompts)}", file=sys.stderr)
-    llm = llm_factory(model, plan.components, plan.engine_options)
-    return extract(llm, plan.prompts, out, model=model, components=plan.components,
-                   layers=plan.layers, select=plan.spec if plan.mode == "spec" else plan.mode,
-                   max_tokens=plan.max_tokens, storage_dtype=plan.storage_dtype,
-                   batch_size=plan.batch_size, shard_rows=plan.shard_rows,
-                   shard_mb=plan.shard_mb, engine_options=plan.engine_options,
-                   progress=progress)
+    with _sole_writer(Path(out)):
+        manifest = check_output(out, plan.fingerprint(model))
+        if manifest is not None and manifest.get("complete"):
+            print(f"{out}: already complete ({manifest['rows'][plan.components[0]]} rows); "
+                  "nothing to do", file=sys.stderr)
+            return {"out": str(out), "prompts": 0, "rows": 0, "seconds": 0.0,
+                    "already_complete": True}
+        if manifest is not None:
+            done = manifest["shards"][-1]["prompt_end"] if manifest["shards"] else 0
+            print(f"{out}: resuming after prompt {done} of {len(plan.prompts)}", file=sys.stderr)
+        llm = llm_factory(model, plan.components, plan.engine_options)
+        return extract.__wrapped__(  # extract without taking the folder again: held here
+            llm, plan.prompts, out, model=model, components=plan.components,
+            layers=plan.layers, select=plan.spec if plan.mode == "spec" else plan.mode,
+            max_tokens=plan.max_tokens, storage_dtype=plan.storage_dtype,
+            batch_size=plan.batch_size, shard_rows=plan.shard_rows, shard_mb=plan.shard_mb,
+            engine_options=plan.engine_options, progress=progress)
 
 
 def _report(summary: dict) -> None:
