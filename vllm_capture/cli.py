@@ -1082,7 +1082,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32, float16 or bfloat16 (default: the engine's dtype; vLLM runs a "
                         "float32 checkpoint in bfloat16 unless --dtype float32)")
     e.add_argument("--max-tokens", type=int, default=1,
-                   help="tokens to generate per prompt (N gives N-1 generated rows; default 1)")
+                   help="tokens to generate per prompt (N gives at most N-1 generated rows: "
+                        "fewer when a prompt stops early; default 1)")
     e.add_argument("--batch-size", type=int, default=32, help="prompts per capture call (32)")
     e.add_argument("--shard-rows", type=int, default=65536,
                    help="write a shard once this many rows are buffered (65536)")
