@@ -116,3 +116,12 @@ def test_an_engine_without_the_worker_extension_is_named_as_such():
     with pytest.raises(RuntimeError, match="worker_extension_cls='vllm_capture.engine.worker_ext"
                                            ".CaptureWorkerExtension'"):
         vc.start_capture(_Plain(), vc.HIDDEN_STATES)
+
+
+def test_an_async_engine_is_refused_by_name():
+    class _AsyncEngine:  # vLLM's AsyncLLM has this collective_rpc
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            raise AssertionError("awaited")
+
+    with pytest.raises(TypeError, match="AsyncLLM"):
+        vc.capture_status(_AsyncEngine())

@@ -46,7 +46,7 @@ def _rpc(llm, method: str, *args) -> list[dict]:
     """Call a capture RPC on every worker of ``llm`` (a ``vllm.LLM`` or a ``Server``); worker
     errors come back as ValueError/RuntimeError."""
     try:
-        return llm.collective_rpc(method, args=args)
+        replies = llm.collective_rpc(method, args=args)
     except Exception as exc:
         if f"no attribute '{method}'" in str(exc):
             raise RuntimeError(
@@ -58,6 +58,12 @@ def _rpc(llm, method: str, *args) -> list[dict]:
         if m is None:
             raise
         raise (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2)) from exc
+    if inspect.iscoroutine(replies):
+        replies.close()  # never awaited: nothing reached the workers
+        raise TypeError(f"llm: {type(llm).__name__}.collective_rpc is a coroutine (vLLM's "
+                        "AsyncLLM), which the capture calls do not drive; pass a vllm.LLM or a "
+                        "vc.Server")
+    return replies
 
 
 def _rpc_value(value):
