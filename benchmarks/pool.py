@@ -11,13 +11,17 @@ ratios with a t interval over runs: it counts engine starts, which is what a run
 (engine placement, start order, the host) needs. Both are printed, with each run's figure; the
 1B's idle engine moved from 0.916 to 1.024 between runs whose rep intervals were half as wide.
 Each scenario is given against ``vanilla`` and, for a capture engine's scenario, against ``idle``
-on the same engine. The last two columns pool the reps that ran the scenarios in the order given
-(even reps) and reversed (odd reps) apart: a generate can run faster or slower for what ran just
-before it, which the alternation evens out in the pooled figure but these columns show (the 1B's
-idle against vanilla, over nine runs: 1.006 forward, 0.948 reversed).
+on the same engine. The next two columns pool the reps that ran the scenarios in the order given
+(even reps) and reversed (odd reps) apart, over the runs started in the default engine order
+(``--baseline-first`` moves the baseline to the front of the order given, so its reps say
+something else): a generate can run faster or slower for what ran just before it, which the
+alternation evens out in the pooled figure but these columns show (the 1B's idle against vanilla,
+over nine runs: 1.006 forward, 0.948 reversed).
 
-A row "host / cpu" names each run's CPUs where its ``results.json`` records them (``env.cpu``,
-since session 30): the 1B's capture cost moved by several percent from machine to machine.
+A row "host / cpu" names each run's CPUs and GPU where its ``results.json`` records them
+(``env.cpu``, since session 30; ``env.gpu``): the 1B's capture cost moved by several percent from
+machine to machine. Runs on different GPUs are not pooled (the H100's and the H200's CPUs can
+read alike).
 
 Where runs split each generate into the engine's iterations and the rest (``run.py``'s
 ``engine_iterations_s``, since session 31), a second table pools that split over their reps
@@ -70,6 +74,8 @@ def pool(reports: list[dict], workload: str, scenario: str, against: str) -> dic
     if not values:
         return None
 
+    default_order = by_order.get(False, ([], []))
+
     def in_order(ms: list[dict], parity: int) -> list[dict]:
         return [m for m in ms if m["rep"][1] % 2 == parity]
 
@@ -79,9 +85,10 @@ def pool(reports: list[dict], workload: str, scenario: str, against: str) -> dic
             # Over reps, each start order apart, and the two weighed equally (None unless both).
             "default_order": orders.get(False), "baseline_first": orders.get(True),
             "both_orders": equal_weight(orders[False], orders[True]) if len(orders) == 2 else None,
-            # run.py lists a rep's scenarios as given in even reps and reversed in odd ones.
-            "forward": R.paired_ratio(in_order(base_all, 0), in_order(own_all, 0)),
-            "reversed": R.paired_ratio(in_order(base_all, 1), in_order(own_all, 1)),
+            # run.py lists a rep's scenarios as given in even reps and reversed in odd ones (the
+            # default engine order's runs only).
+            "forward": R.paired_ratio(*(in_order(ms, 0) for ms in default_order)),
+            "reversed": R.paired_ratio(*(in_order(ms, 1) for ms in default_order)),
             # Over the reps whose runs split each generate (``report.iteration_split``), and
             # whose runs kept every iteration (``report.parts_against``, in ms).
             "split": R.iteration_split(base_all, own_all),
@@ -107,13 +114,18 @@ ORDER_COLUMNS = ("default_order", "baseline_first", "both_orders")
 
 
 def host_text(report: dict) -> str:
-    """A run's CPUs in a table cell (``env.cpu``, ``host_cpu.describe``), or "-"."""
-    cpu = (report.get("env") or {}).get("cpu") or {}
-    if not cpu.get("model"):
-        return "-"
-    ident = "/".join(cpu[k] for k in ("family", "model_number", "stepping") if cpu.get(k))
-    mhz = (cpu.get("mhz") or {}).get("mean")
-    return cpu["model"] + (f" {ident}" if ident else "") + (f", {mhz} MHz" if mhz else "")
+    """A run's CPUs and GPU in a table cell (``env.cpu``, ``host_cpu.describe``; ``env.gpu``),
+    or "-"."""
+    env = report.get("env") or {}
+    cpu = env.get("cpu") or {}
+    parts = []
+    if cpu.get("model"):
+        ident = "/".join(cpu[k] for k in ("family", "model_number", "stepping") if cpu.get(k))
+        mhz = (cpu.get("mhz") or {}).get("mean")
+        parts.append(cpu["model"] + (f" {ident}" if ident else "") + (f", {mhz} MHz" if mhz else ""))
+    if env.get("gpu"):
+        parts.append(env["gpu"])
+    return "; ".join(parts) or "-"
 
 
 def markdown(reports: list[dict], names: list[str]) -> str:
@@ -127,7 +139,7 @@ def markdown(reports: list[dict], names: list[str]) -> str:
     splits: list[str] = []
     places: list[str] = []
     if any(host_text(r) != "-" for r in reports):
-        lines.append("| host | cpu | - | " + " | ".join(host_text(r) for r in reports)
+        lines.append("| host | cpu, gpu | - | " + " | ".join(host_text(r) for r in reports)
                      + " | - | - | - | -" + " | -" * (3 * both) + " |")
     for workload in dict.fromkeys(m["workload"] for r in reports for m in r["measurements"]):
         scenarios = dict.fromkeys(m["scenario"] for r in reports for m in r["measurements"]
@@ -178,6 +190,9 @@ def main() -> int:
     suites = {(r["suite"], r["model"]) for r in reports}
     if len(suites) > 1:
         p.error(f"runs of different suites or models: {sorted(suites)}")
+    gpus = {(r.get("env") or {}).get("gpu") for r in reports} - {None}
+    if len(gpus) > 1:
+        p.error(f"runs on different GPUs: {sorted(gpus)}")
     print(markdown(reports, [Path(r).name for r in args.runs]), end="")
     return 0
 

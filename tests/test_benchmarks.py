@@ -1236,7 +1236,47 @@ def test_pool_pairs_reps_within_their_run_and_gives_runs_an_interval_of_their_ow
     run2["env"] = {"cpu": {"model": "Intel Xeon Processor", "family": "6", "model_number": "143",
                            "stepping": "8", "mhz": {"mean": 2100}}}
     host = markdown([run1, run2], ["a", "b"]).splitlines()[2]
-    assert host == "| host | cpu | - | - | Intel Xeon Processor 6/143/8, 2100 MHz | - | - | - | - |"
+    assert host == ("| host | cpu, gpu | - | - | Intel Xeon Processor 6/143/8, 2100 MHz "
+                    "| - | - | - | - |")
+    run1["env"] = {"gpu": "NVIDIA H200"}
+    host = markdown([run1, run2], ["a", "b"]).splitlines()[2]
+    assert host.startswith("| host | cpu, gpu | - | NVIDIA H200 | Intel Xeon Processor")
+
+
+def test_pool_refuses_runs_on_different_gpus(tmp_path, capsys, monkeypatch):
+    from benchmarks.pool import main
+
+    folders = []
+    for name, gpu in (("a", "NVIDIA H200"), ("b", "NVIDIA H100 80GB HBM3"), ("c", None)):
+        folder = tmp_path / name
+        folder.mkdir()
+        env = {} if gpu is None else {"gpu": gpu}
+        (folder / "results.json").write_text(json.dumps(
+            {"suite": "quick", "model": "1b", "env": env,
+             "measurements": _m("vanilla", 1000.0, reps=(0, 1)) + _m("idle", 990.0, reps=(0, 1))}))
+        folders.append(str(folder))
+    monkeypatch.setattr(sys, "argv", ["pool.py", folders[0], folders[1]])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 2 and "different GPUs" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["pool.py", folders[0], folders[2]])
+    assert main() == 0  # a run that names no GPU pools with either
+
+
+def test_t_quantiles_past_the_table():
+    """Student's t for a two-sided 95% interval (published values to 6 places), and the
+    interval of 32 values uses t with 31 degrees of freedom, not the normal 1.96."""
+    import numpy as np
+
+    from benchmarks.report import mean_interval, t95
+
+    for df, t in ((1, 12.706), (30, 2.042), (31, 2.039513), (40, 2.021075), (60, 2.000298),
+                  (79, 1.990450), (120, 1.979930), (1000, 1.962339)):
+        assert t95(df) == pytest.approx(t, abs=2e-6)
+    values = [float(v % 7) for v in range(32)]
+    mean, half = mean_interval(values)
+    sd = float(np.std(values, ddof=1))
+    assert half == pytest.approx(2.039513 * sd / math.sqrt(32), rel=1e-6)
 
 
 def test_pool_gives_the_iteration_split_over_the_reps_of_runs_that_have_it():
@@ -1301,6 +1341,12 @@ def test_pool_splits_reps_run_forward_from_reps_run_reversed():
     assert p["forward"]["value"] == pytest.approx(0.9) and p["forward"]["pairs"] == 4
     assert p["reversed"]["value"] == pytest.approx(1.1) and p["reversed"]["pairs"] == 4
     assert p["over_reps"]["value"] == pytest.approx((0.9 * 1.1) ** 0.5)
+    # A run started with the baseline first gave its reps another order: not in these columns.
+    other = {"measurements": _m("vanilla", 1000.0, reps=(0, 1)) + _m("hidden-last", 500.0, reps=(0, 1)),
+             "baseline_first": True}
+    p = pool([run(1.0), run(2.0), other], "decode-c64", "hidden-last", "vanilla")
+    assert p["forward"]["value"] == pytest.approx(0.9) and p["forward"]["pairs"] == 4
+    assert p["reversed"]["value"] == pytest.approx(1.1) and p["reversed"]["pairs"] == 4
     assert "| 0.900 (0.900-0.900), 4 | 1.100 (1.100-1.100), 4 |" in markdown([run(1.0), run(2.0)],
                                                                           ["a", "b"])
 
