@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -48,22 +48,27 @@ def _rpc(llm, method: str, *args) -> list[dict]:
     try:
         replies = llm.collective_rpc(method, args=args)
     except Exception as exc:
-        if f"no attribute '{method}'" in str(exc):
-            raise RuntimeError(
-                f"the engine's workers have no {method}: vllm-capture's worker extension is "
-                f"not installed; pass worker_extension_cls={WORKER_EXTENSION!r} and "
-                f"additional_config={{'{CONFIG_KEY}': {{...}}}} (vc.LLM and vc.engine_kwargs do; "
-                f"for a server, --worker-extension-cls and --additional-config)") from exc
-        m = _TAGGED.search(str(exc))
-        if m is None:
-            raise
-        raise (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2)) from exc
+        raise rpc_error(method, exc) from exc
     if inspect.iscoroutine(replies):
         replies.close()  # never awaited: nothing reached the workers
         raise TypeError(f"llm: {type(llm).__name__}.collective_rpc is a coroutine (vLLM's "
-                        "AsyncLLM), which the capture calls do not drive; pass a vllm.LLM or a "
-                        "vc.Server")
+                        "AsyncLLM): use vllm_capture.aio's calls, awaited")
     return replies
+
+
+def rpc_error(method: str, exc: Exception) -> Exception:
+    """What a failed capture RPC raises: the worker's ValueError or RuntimeError as such (vLLM
+    hands the client a bare Exception with the message), else ``exc``."""
+    if f"no attribute '{method}'" in str(exc):
+        return RuntimeError(
+            f"the engine's workers have no {method}: vllm-capture's worker extension is not "
+            f"installed; pass worker_extension_cls={WORKER_EXTENSION!r} and "
+            f"additional_config={{'{CONFIG_KEY}': {{...}}}} (vc.LLM and vc.engine_kwargs do; "
+            f"for a server, --worker-extension-cls and --additional-config)")
+    m = _TAGGED.search(str(exc))
+    if m is None:
+        return exc
+    return (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2))
 
 
 def _rpc_value(value):
@@ -83,27 +88,65 @@ def _rpc_value(value):
     return value
 
 
+@dataclass(frozen=True)
+class Call:
+    """One capture call: the RPC every worker runs, and what its replies (one per worker) make.
+    The functions below run it on a ``vllm.LLM`` or a ``Server``; ``vllm_capture.aio``'s await
+    it on an ``AsyncLLM``."""
+
+    method: str
+    args: tuple
+    result: Callable[[list], Any]
+
+    def on(self, llm):
+        return self.result(_rpc(llm, self.method, *self.args))
+
+
+def start_call(stream: str, config: dict) -> Call:
+    config = {key: _rpc_value(value) for key, value in config.items()}
+    return Call("start_capture", (stream, config), lambda replies: _by_rank(replies)[0])
+
+
+def stop_call(stream: str) -> Call:
+    return Call("stop_capture", (stream,), lambda replies: None)
+
+
+def clear_call(stream: str) -> Call:
+    return Call("clear_captured", (stream,), lambda replies: None)
+
+
+def status_call(stream: str, all_ranks: bool) -> Call:
+    return Call("capture_status", (stream,),
+                lambda replies: _by_rank(replies) if all_ranks else _by_rank(replies)[0])
+
+
+def fetch_call(stream: str, clear: bool, layers, req_ids, as_text: bool = False) -> Call:
+    """``as_text``: the replies cross JSON (a ``Server``), their bytes as base64 text."""
+    return Call("fetch_captured",
+                (stream, clear, _rpc_value(layers), _rpc_value(req_ids), shm.client_probe(),
+                 as_text),
+                lambda replies: join_shards(stream, shm.read_replies(replies)))
+
+
 def start_capture(llm, stream: str = HIDDEN_STATES, **config) -> dict:
     """Enable ``stream`` on every worker with ``config`` (StreamConfig's arguments: ``layers``,
     ``dtype``, ``reduce``, ``select``, ``budget_rows``); returns rank 0's ``capture_status``."""
-    config = {key: _rpc_value(value) for key, value in config.items()}
-    return _by_rank(_rpc(llm, "start_capture", stream, config))[0]
+    return start_call(stream, config).on(llm)
 
 
 def stop_capture(llm, stream: str = HIDDEN_STATES) -> None:
     """Disable ``stream`` on every worker, dropping what it holds: fetch its rows first."""
-    _rpc(llm, "stop_capture", stream)
+    stop_call(stream).on(llm)
 
 
 def clear_captured(llm, stream: str = HIDDEN_STATES) -> None:
     """Drop ``stream``'s stored rows and errors on every worker without fetching them."""
-    _rpc(llm, "clear_captured", stream)
+    clear_call(stream).on(llm)
 
 
 def capture_status(llm, stream: str = HIDDEN_STATES, all_ranks: bool = False):
     """Rank 0's status, or every rank's (a list ordered by ``tp_rank``) with ``all_ranks``."""
-    replies = _by_rank(_rpc(llm, "capture_status", stream))
-    return replies if all_ranks else replies[0]
+    return status_call(stream, all_ranks).on(llm)
 
 
 def _by_rank(replies: list[dict]) -> list[dict]:
@@ -126,9 +169,7 @@ def fetch_captured(llm, stream: str = HIDDEN_STATES, clear: bool = True,
     this fetch, and every view of one, is freed (then the file is reused by a later fetch);
     ``.clone()`` what you keep of a large fetch.
     """
-    replies = _rpc(llm, "fetch_captured", stream, clear, _rpc_value(layers), _rpc_value(req_ids),
-                   shm.client_probe(), isinstance(llm, Server))
-    return join_shards(stream, shm.read_replies(replies))
+    return fetch_call(stream, clear, layers, req_ids, as_text=isinstance(llm, Server)).on(llm)
 
 
 def join_shards(stream: str, replies: list[dict]):
