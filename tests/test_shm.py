@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import mmap
 import os
 import shutil
@@ -603,16 +604,21 @@ def test_at_exit_pooled_files_and_later_releases_are_deleted(monkeypatch):
 
 def test_at_exit_a_worker_deletes_its_spare_and_a_client_the_spares_of_killed_workers(monkeypatch):
     monkeypatch.setattr(shm, "_exiting", False)
-    shm.want_spare(1 << 20, owner=os.getpid())
+    shm.want_spare(1 << 20, owner=shm.client_id())
     left = _spare_settled()
     shm._spare = None  # its worker was killed: only the file is left
-    shm.want_spare(1 << 20, owner=os.getppid())
+    shm.want_spare(1 << 20, owner=f"{os.getppid()}-0badc0de")
     live = _spare_settled()
-    foreign = tempfile.mkstemp(prefix=f"{shm.ROWS}{os.getppid()}-", dir=shm.SHM_DIR)[1]
+    foreign = tempfile.mkstemp(prefix=f"{shm.ROWS}{os.getppid()}-0badc0de-", dir=shm.SHM_DIR)[1]
+    # A client with this pid but another token: a forked child (or a twin in another pid
+    # namespace sharing /dev/shm), whose replies may not yet be read.
+    twin = tempfile.mkstemp(prefix=f"{shm.ROWS}{os.getpid()}-0badc0de-", dir=shm.SHM_DIR)[1]
     shm._at_exit()
     shm.settle()
     assert not os.path.exists(left.path) and not os.path.exists(live.path)
-    assert os.path.exists(foreign)  # another client's rows
+    assert os.path.exists(foreign) and os.path.exists(twin)  # other clients' rows
+    os.unlink(foreign)
+    os.unlink(twin)
     os.close(left.fd)
     left.mapped.close()
 
@@ -647,9 +653,12 @@ def _gone_pid() -> int:
 
 def test_reply_files_are_named_for_the_client_that_fetches():
     probe = shm.client_probe()
-    assert shm.client_pid(probe) == os.getpid() and shm.client_pid(None) is None
-    reply = shm.write_reply(_reply(_store()), owner=shm.client_pid(probe))
-    assert os.path.basename(reply["shm_path"]).startswith(f"{shm.ROWS}{os.getpid()}-")
+    assert shm.client_owner(probe) == shm.client_id() and shm.client_owner(None) is None
+    assert shm.client_id().startswith(f"{os.getpid()}-")
+    for bad in ({"path": "/dev/shm/vllm-capture-probe-12-nothex00-x"}, {"path": "/tmp/x"}):
+        assert shm.client_owner(bad) is None
+    reply = shm.write_reply(_reply(_store()), owner=shm.client_owner(probe))
+    assert os.path.basename(reply["shm_path"]).startswith(f"{shm.ROWS}{shm.client_id()}-")
     got = deserialize_captured(shm.read_replies([reply])[0]["layers"])
     del got, reply
     gc.collect()
@@ -657,7 +666,8 @@ def test_reply_files_are_named_for_the_client_that_fetches():
     assert pooled.startswith(f"{shm.FREE}{os.getpid()}-")
 
 
-def test_the_files_of_a_gone_client_are_deleted_at_the_next_clients_first_fetch():
+def test_the_files_of_a_gone_client_are_deleted_at_a_clients_fetch_once_a_minute(monkeypatch):
+    monkeypatch.setattr(shm, "_last_sweep", float("-inf"))
     gone, live = _gone_pid(), os.getpid()
     names = {
         "gone": [f"{shm.ROWS}{gone}-a1", f"{shm.FREE}{gone}-b2", f"{shm.PROBE}{gone}-c3"],
@@ -677,6 +687,37 @@ def test_the_files_of_a_gone_client_are_deleted_at_the_next_clients_first_fetch(
     left = set(os.listdir(shm.SHM_DIR))
     assert not left & set(names["gone"])
     assert set(names["kept"]) <= left and os.path.basename(probe["path"]) in left
+    # A long-lived client sweeps again, but at most once a minute (each sweep lists /dev/shm).
+    later = os.path.join(shm.SHM_DIR, f"{shm.ROWS}{gone}-later")
+    with open(later, "wb") as f:
+        f.write(b"x")
+    os.utime(later, (0, 0))
+    shm.client_probe()
+    assert os.path.exists(later)
+    monkeypatch.setattr(shm, "_last_sweep", time.monotonic() - shm.SWEEP_AGE_S)
+    shm.client_probe()
+    assert not os.path.exists(later)
+
+
+def test_a_forked_child_is_a_client_of_its_own():
+    """Its replies are named for it, and its parent's exit deletes none of them."""
+    parent_probe = shm.client_probe()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its id and probe, then leave without exit hooks
+        try:
+            probe = shm.client_probe()
+            os.write(write, json.dumps([shm.client_id(), probe["path"],
+                                        shm.client_owner(probe)]).encode())
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    child_id, child_probe, child_owner = json.loads(os.read(read, 4096))
+    os.close(read)
+    os.close(write)
+    assert child_id.startswith(f"{pid}-") and child_id != shm.client_id()
+    assert child_owner == child_id and child_probe != parent_probe["path"]
+    os.unlink(child_probe)
 
 
 # ---- the spare: a reply file populated while the rows arrive -----------------------------------
@@ -695,13 +736,13 @@ def test_the_spare_is_populated_in_the_background_and_carries_the_next_fetch(mon
     store = _store(width=4096, steps=(64,), seed=1)
     want = deserialize_captured(shm.write_reply(_reply(_store(width=4096, steps=(64,), seed=1)),
                                                 shared=False)["layers"])
-    shm.want_spare(store.bytes_stored, owner=os.getpid())
+    shm.want_spare(store.bytes_stored, owner=shm.client_id())
     spare = _spare_settled()
     assert spare.ready >= store.bytes_stored and spare.ready % mmap.PAGESIZE == 0
     assert calls and {name for _, _, name in calls} == {"vllm-capture-spare"}
     assert os.path.basename(spare.path).startswith(f"{shm.ROWS}{os.getpid()}-")
     calls.clear()
-    reply = shm.write_reply(_reply(store), owner=os.getpid())
+    reply = shm.write_reply(_reply(store), owner=shm.client_id())
     assert reply["shm_path"] == spare.path and not calls and shm._spare is None
     assert os.path.getsize(spare.path) == spare.ready  # populated to its end, as every reply file
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
@@ -709,13 +750,13 @@ def test_the_spare_is_populated_in_the_background_and_carries_the_next_fetch(mon
 
 def test_a_fetch_larger_than_the_spare_populates_only_the_rest(monkeypatch):
     calls = _recording_populate(monkeypatch)
-    shm.want_spare(1 << 20, owner=os.getpid())
+    shm.want_spare(1 << 20, owner=shm.client_id())
     ready = _spare_settled().ready
     calls.clear()
     store = _store(width=4096, steps=(64,), seed=2)
     want = deserialize_captured(shm.write_reply(_reply(_store(width=4096, steps=(64,), seed=2)),
                                                 shared=False)["layers"])
-    reply = shm.write_reply(_reply(store), owner=os.getpid())
+    reply = shm.write_reply(_reply(store), owner=shm.client_id())
     total = os.path.getsize(reply["shm_path"])
     assert total > ready and sum(length for _, length, _ in calls) == total - ready
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
@@ -725,7 +766,7 @@ def test_a_fetch_larger_than_the_pool_cap_grows_the_spare_within_its_one_mapping
     """The spare's populating stops at the pool's cap; its mapping spans any reply /dev/shm can
     take, so a larger fetch populates the rest in place instead of mapping the file again."""
     monkeypatch.setattr(shm, "POOL_BYTES", 1 << 20)
-    shm.want_spare(4 << 20, owner=os.getpid())
+    shm.want_spare(4 << 20, owner=shm.client_id())
     spare = _spare_settled()
     assert spare.ready == 1 << 20 and len(spare.mapped) >= 8 << 20
     calls = _recording_populate(monkeypatch)
@@ -733,7 +774,7 @@ def test_a_fetch_larger_than_the_pool_cap_grows_the_spare_within_its_one_mapping
     store = _store(width=4096, steps=(64,), seed=3)
     want = deserialize_captured(shm.write_reply(_reply(_store(width=4096, steps=(64,), seed=3)),
                                                 shared=False)["layers"])
-    reply = shm.write_reply(_reply(store), owner=os.getpid())
+    reply = shm.write_reply(_reply(store), owner=shm.client_id())
     total = os.path.getsize(spare.path)
     assert reply["shm_path"] == spare.path and sum(n for _, n, _ in calls) == total - (1 << 20)
     assert not shm._kept  # over the pool's cap: not kept
@@ -752,14 +793,14 @@ def test_a_fetch_stops_the_spare_growing_until_rows_arrive_again(monkeypatch):
     monkeypatch.setattr(shm, "SPARE_STEP", mmap.PAGESIZE)
     monkeypatch.setattr(shm, "_populate_range",
                         lambda address, length: time.sleep(0.01) or real(address, length))
-    shm.want_spare(64 * mmap.PAGESIZE, owner=os.getpid())
+    shm.want_spare(64 * mmap.PAGESIZE, owner=shm.client_id())
     spare = shm._spare
-    reply = shm.write_reply(_reply(_store(seed=2)), owner=os.getpid())
+    reply = shm.write_reply(_reply(_store(seed=2)), owner=shm.client_id())
     assert reply["shm_path"] != spare.path  # the pooled file served it
     frozen = _spare_settled().ready  # at most the step under way when the fetch began
     assert frozen <= spare.target + mmap.PAGESIZE and frozen < 64 * mmap.PAGESIZE
     assert spare.thread is None
-    shm.want_spare(64 * mmap.PAGESIZE, owner=os.getpid())
+    shm.want_spare(64 * mmap.PAGESIZE, owner=shm.client_id())
     assert _spare_settled().ready >= 64 * mmap.PAGESIZE > frozen
     shm.read_replies([reply])
 
@@ -774,27 +815,38 @@ def test_no_spare_grows_while_a_pooled_file_could_carry_the_rows(monkeypatch):
     (pooled,) = _pool()
     path = os.path.join(shm.SHM_DIR, pooled)
     size, inode = os.path.getsize(path), _inode(path)
-    shm.want_spare(size, owner=os.getpid())
+    shm.want_spare(size, owner=shm.client_id())
     assert shm._spare is None
-    reply = shm.write_reply(_reply(_store(seed=2)), owner=os.getpid())
+    reply = shm.write_reply(_reply(_store(seed=2)), owner=shm.client_id())
     assert _inode(reply["shm_path"]) == inode and not _pool()  # the pooled file, claimed
     shm.read_replies([reply])
     del reply
     gc.collect()
-    shm.want_spare(size * shm.POOL_SLACK + 1, owner=os.getpid())  # too small a file for these
+    shm.want_spare(size * shm.POOL_SLACK + 1, owner=shm.client_id())  # too small a file for these
     assert _spare_settled().ready >= size * shm.POOL_SLACK + 1
 
 
+def test_a_worker_lets_go_of_its_kept_mappings_when_capture_stops():
+    reply = shm.write_reply(_reply(_store()), owner=shm.client_id())
+    assert len(shm._kept) == 1
+    shm.read_replies([reply])
+    del reply
+    gc.collect()
+    shm.drop_kept()
+    shm.settle()
+    assert not shm._kept
+
+
 def test_a_spare_serves_only_its_client_and_goes_when_capture_stops():
-    other = os.getppid()
+    other = f"{os.getppid()}-0badc0de"
     shm.want_spare(1 << 20, owner=other)
     spare = _spare_settled()
-    reply = shm.write_reply(_reply(_store()), owner=os.getpid())
+    reply = shm.write_reply(_reply(_store()), owner=shm.client_id())
     assert reply["shm_path"] != spare.path and shm._spare is spare  # not this client's
     shm.read_replies([reply])
-    shm.want_spare(1 << 20, owner=os.getpid())  # a new client: the old spare is deleted
+    shm.want_spare(1 << 20, owner=shm.client_id())  # a new client: the old spare is deleted
     shm.settle()
-    assert not os.path.exists(spare.path) and shm._spare.owner == os.getpid()
+    assert not os.path.exists(spare.path) and shm._spare.owner == shm.client_id()
     mine = _spare_settled()
     shm.drop_spare()
     shm.settle()
@@ -803,22 +855,22 @@ def test_a_spare_serves_only_its_client_and_goes_when_capture_stops():
 
 def test_the_spare_stops_growing_where_dev_shm_is_full(monkeypatch):
     monkeypatch.setattr(shm, "_populate_range", lambda address, length: errno.ENOSPC)
-    shm.want_spare(1 << 20, owner=os.getpid())
+    shm.want_spare(1 << 20, owner=shm.client_id())
     spare = _spare_settled()
     assert spare.ready == spare.target == 0 and spare.thread is None
-    assert shm._take_spare(os.getpid(), 1 << 20) is None  # nothing populated: fetches do without
-    shm.want_spare(2 << 20, owner=os.getpid())
+    assert shm._take_spare(shm.client_id(), 1 << 20) is None  # nothing populated: fetches do without
+    shm.want_spare(2 << 20, owner=shm.client_id())
     assert shm._spare is spare and spare.thread is None  # no new try on every report
 
 
 def test_a_much_smaller_fetch_leaves_the_spare_for_a_later_one(monkeypatch):
     """Like a pooled file: a one-layer fetch must not hold a spare sized for every layer."""
     monkeypatch.setattr(shm, "POOL_SLACK_BYTES", 0)
-    shm.want_spare(8 << 20, owner=os.getpid())
+    shm.want_spare(8 << 20, owner=shm.client_id())
     spare = _spare_settled()
-    small = shm.write_reply(_reply(_store()), owner=os.getpid())
+    small = shm.write_reply(_reply(_store()), owner=shm.client_id())
     assert small["shm_path"] != spare.path and shm._spare is spare
-    big = shm.write_reply(_reply(_store(width=4096, steps=(64,))), owner=os.getpid())
+    big = shm.write_reply(_reply(_store(width=4096, steps=(64,))), owner=shm.client_id())
     assert big["shm_path"] == spare.path
     shm.read_replies([small, big])
 

@@ -197,6 +197,7 @@ class CaptureWorkerExtension:
         session.disable_stream(stream)
         if not session.any_stream_enabled():
             shm.drop_spare()
+            shm.drop_kept()
         return tp_rank_and_size()
 
     @_tagged_errors
@@ -212,7 +213,7 @@ class CaptureWorkerExtension:
         reply = {**tp_rank_and_size(), "layers": {str(k): v for k, v in data.items()}}
         t0 = time.perf_counter()
         # Rows go through shared memory only when this worker can read the client's probe file.
-        shared, owner = shm.worker_sees(shm_probe), shm.client_pid(shm_probe)
+        shared, owner = shm.worker_sees(shm_probe), shm.client_owner(shm_probe)
         parts = {"file": time.perf_counter() - t0}  # the probe decides whether there is a file
         reply = shm.write_reply(reply, shared=shared, owner=owner, parts=parts)
         session.add_host_time("fetch_write", time.perf_counter() - t0)

@@ -44,10 +44,13 @@ The spare goes one step further for a fetch the pool cannot serve: while a strea
 the worker populates a file of about the size its store holds, in the background, and the fetch
 writes into it (see ``want_spare``).
 
-A client killed (or ended with ``os._exit``) while holding fetched rows, or with files pooled,
-leaves them behind (``/dev/shm/vllm-capture-rows-<pid>-*``, ``vllm-capture-free-<pid>-*``, its
-probe). The next client to fetch on the host deletes the files of clients that are gone, once
-they are a minute old.
+A client is its pid and a random token (``client_id``; a forked child draws its own), and its
+files carry both (``/dev/shm/vllm-capture-rows-<pid>-<token>-*``): a forked child's replies, or
+those of a client with the same pid in another pid namespace sharing ``/dev/shm``, are never
+taken for another client's (deleted at its exit, or written into its spare). A client killed (or
+ended with ``os._exit``) while holding fetched rows, or with files pooled, leaves them behind
+(rows, ``vllm-capture-free-<pid>-*``, its probe). A client's fetch deletes the files of clients
+that are gone, once they are a minute old (at most once a minute).
 
 Payload contract: a layer entry's ``"data"`` is replaced by ``"shm_offset"`` and ``"shm_nbytes"``
 (ints) and the reply gains ``"shm_path"`` (str); :func:`read_reply` puts a writable view of the
@@ -117,6 +120,8 @@ UNMAP_STEP = 8 << 20
 _MADV_DONTNEED = 4  # linux/mman.h
 
 _probe: dict[str, str] | None = None
+_token = secrets.token_hex(4)  # with the pid, this process as a client (``client_id``)
+_last_sweep = float("-inf")
 _pooled: set[str] = set()  # files this client put in the pool, deleted at exit
 _exiting = False
 # Reply files whose rows this process's tensors view now, and those a fork shares with a child.
@@ -133,35 +138,45 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _probe, _token
     _inherited.update(_mapped)
     _mapped.clear()
     _pooled.clear()
+    # A client of its own: its replies must not be named, nor deleted, as its parent's.
+    _probe, _token = None, secrets.token_hex(4)
 
 
 os.register_at_fork(after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
+def client_id() -> str:
+    """This process as a client: ``<pid>-<token>``, the start of its files' names."""
+    return f"{os.getpid()}-{_token}"
+
+
 def client_probe() -> dict[str, str] | None:
     """A small file only this client could have written; None where /dev/shm is unusable."""
     global _probe
+    if time.monotonic() - _last_sweep >= SWEEP_AGE_S:
+        _sweep_abandoned()
     if _probe is not None and os.path.exists(_probe["path"]):
         return _probe
     if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
         return None
-    _sweep_abandoned()
     nonce = secrets.token_hex(16)
     # File names carry the pid of the client they serve (probe, rows, pooled files), so that
     # whatever a client leaves behind can be told from what a live one holds.
-    fd, path = tempfile.mkstemp(prefix=f"{PROBE}{os.getpid()}-", dir=SHM_DIR)
+    fd, path = tempfile.mkstemp(prefix=f"{PROBE}{client_id()}-", dir=SHM_DIR)
     with os.fdopen(fd, "w") as f:
         f.write(nonce)
-    atexit.register(_remove, path)
     _probe = {"path": path, "nonce": nonce}
     return _probe
 
 
 def _sweep_abandoned() -> None:
     """Delete the probe, rows and pooled files of clients that are gone (``SWEEP_AGE_S``)."""
+    global _last_sweep
+    _last_sweep = time.monotonic()
     try:
         files = _files(PROBE, ROWS, FREE)
     except OSError:
@@ -207,10 +222,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def client_pid(probe: Any) -> int | None:
-    """The pid of the client that wrote ``probe`` (from its file name), for naming its files."""
+def client_owner(probe: Any) -> str | None:
+    """The ``client_id`` of the client that wrote ``probe`` (from its file name), for naming its
+    files; None for anything else."""
     path = probe.get("path") if isinstance(probe, dict) else None
-    return _owner_pid(os.path.basename(path)) if isinstance(path, str) else None
+    if not isinstance(path, str) or not os.path.basename(path).startswith(PROBE):
+        return None
+    pid, token, *rest = os.path.basename(path)[len(PROBE):].split("-") + ["", ""]
+    if not (pid.isdigit() and len(token) == 8 and all(c in "0123456789abcdef" for c in token)):
+        return None
+    return f"{pid}-{token}"
 
 
 def worker_sees(probe: Any) -> bool:
@@ -236,11 +257,12 @@ def worker_sees(probe: Any) -> bool:
 WRITE_PARTS = ("file", "copy", "keep", "release", "release_cpu")
 
 
-def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = None,
+def write_reply(reply: dict[str, Any], shared: bool = True, owner: str | None = None,
                 parts: dict[str, float] | None = None) -> dict[str, Any]:
     """Make a fetch reply msgpack-safe, in place: the layers' rows (``FetchedRows``, from
     ``StreamStore.serialize(raw_data=True)``) are copied once, into one shared-memory file named
-    for the client ``owner`` (its pid, :func:`client_pid`), when ``shared`` and there is room;
+    for the client ``owner`` (its ``client_id``, :func:`client_owner`), when ``shared`` and there
+    is room;
     into bytes otherwise. ``parts`` gains the seconds of each of ``WRITE_PARTS`` spent."""
     layers = list((reply.get("layers") or {}).values())
     sizes = [info["data"].nbytes for info in layers]
@@ -268,7 +290,7 @@ def write_reply(reply: dict[str, Any], shared: bool = True, owner: int | None = 
     return reply
 
 
-def _write_file(blocks: list, offsets: list[int], total: int, owner: int | None,
+def _write_file(blocks: list, offsets: list[int], total: int, owner: str | None,
                 parts: dict[str, float]) -> str | None:
     """A file for the client ``owner``, of at least ``total`` bytes (a pooled one, else the
     spare, else a new one), with each block's rows copied in at its offset, through one mapping;
@@ -370,7 +392,7 @@ class _Spare:
     growth nor a reply larger than it grew remaps it. Pages are populated from the start:
     ``ready`` bytes so far, growing towards ``target``."""
 
-    def __init__(self, owner: int, span: int):
+    def __init__(self, owner: str, span: int):
         fd, self.path = tempfile.mkstemp(prefix=f"{ROWS}{owner}-", dir=SHM_DIR)
         try:
             os.ftruncate(fd, span)
@@ -411,7 +433,7 @@ class _Spare:
         _reap(maps=[self.mapped], paths=[self.path])
 
 
-def want_spare(nbytes: int, owner: int) -> None:
+def want_spare(nbytes: int, owner: str) -> None:
     """The worker's store holds ``nbytes`` for the client ``owner``: grow the spare to a quarter
     more (within the pool's cap and half the free space of ``/dev/shm``), in the background. A
     spare of another client is discarded. While a pooled file could carry those rows (generate
@@ -477,7 +499,15 @@ def drop_spare() -> None:
         spare.discard()
 
 
-def _take_spare(owner: int, total: int) -> "_Spare | None":
+def drop_kept() -> None:
+    """No stream is capturing: close the mappings kept for files back from the pool (an idle
+    server would hold their pages until its next fetch; they are freed in the background)."""
+    stale = list(_kept.values())
+    _kept.clear()
+    _reap(maps=stale)
+
+
+def _take_spare(owner: str, total: int) -> "_Spare | None":
     """The spare of ``owner``, for a reply of ``total`` bytes, once its thread has stopped (at most
     one step). Like a pooled file, it serves no reply ``POOL_SLACK`` times smaller (a fetch of one
     layer would hold the whole spare's memory)."""
@@ -735,8 +765,10 @@ def _at_exit() -> None:
     settle()
     for path in _pooled:
         _remove(path)
+    if _probe is not None:  # made by this process (a forked child makes its own)
+        _remove(_probe["path"])
     try:
-        mine = _files(f"{ROWS}{os.getpid()}-")
+        mine = _files(f"{ROWS}{client_id()}-")
     except OSError:
         mine = []
     for path, _ in mine:
