@@ -826,17 +826,6 @@ def test_no_spare_grows_while_a_pooled_file_could_carry_the_rows(monkeypatch):
     assert _spare_settled().ready >= size * shm.POOL_SLACK + 1
 
 
-def test_a_worker_lets_go_of_its_kept_mappings_when_capture_stops():
-    reply = shm.write_reply(_reply(_store()), owner=shm.client_id())
-    assert len(shm._kept) == 1
-    shm.read_replies([reply])
-    del reply
-    gc.collect()
-    shm.drop_kept()
-    shm.settle()
-    assert not shm._kept
-
-
 def test_a_spare_serves_only_its_client_and_goes_when_capture_stops():
     other = f"{os.getppid()}-0badc0de"
     shm.want_spare(1 << 20, owner=other)

@@ -197,7 +197,6 @@ class CaptureWorkerExtension:
         session.disable_stream(stream)
         if not session.any_stream_enabled():
             shm.drop_spare()
-            shm.drop_kept()
         return tp_rank_and_size()
 
     @_tagged_errors

@@ -499,14 +499,6 @@ def drop_spare() -> None:
         spare.discard()
 
 
-def drop_kept() -> None:
-    """No stream is capturing: close the mappings kept for files back from the pool (an idle
-    server would hold their pages until its next fetch; they are freed in the background)."""
-    stale = list(_kept.values())
-    _kept.clear()
-    _reap(maps=stale)
-
-
 def _take_spare(owner: str, total: int) -> "_Spare | None":
     """The spare of ``owner``, for a reply of ``total`` bytes, once its thread has stopped (at most
     one step). Like a pooled file, it serves no reply ``POOL_SLACK`` times smaller (a fetch of one
