@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from vllm_capture.api import (
     Call,
-    rpc_error,
     clear_call,
     fetch_call,
+    raise_rpc_error,
     start_call,
     status_call,
     stop_call,
@@ -31,7 +31,7 @@ async def _await(engine, call: Call):
     try:
         replies = await engine.collective_rpc(call.method, args=call.args)
     except Exception as exc:
-        raise rpc_error(call.method, exc) from exc
+        raise_rpc_error(call.method, exc)
     return call.result(replies)
 
 

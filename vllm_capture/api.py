@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def _rpc(llm, method: str, *args) -> list[dict]:
     try:
         replies = llm.collective_rpc(method, args=args)
     except Exception as exc:
-        raise rpc_error(method, exc) from exc
+        raise_rpc_error(method, exc)
     if inspect.iscoroutine(replies):
         replies.close()  # never awaited: nothing reached the workers
         raise TypeError(f"llm: {type(llm).__name__}.collective_rpc is a coroutine (vLLM's "
@@ -56,19 +56,19 @@ def _rpc(llm, method: str, *args) -> list[dict]:
     return replies
 
 
-def rpc_error(method: str, exc: Exception) -> Exception:
-    """What a failed capture RPC raises: the worker's ValueError or RuntimeError as such (vLLM
-    hands the client a bare Exception with the message), else ``exc``."""
+def raise_rpc_error(method: str, exc: Exception) -> NoReturn:
+    """Raise what a failed capture RPC raises: the worker's ValueError or RuntimeError as such
+    (vLLM hands the client a bare Exception with the message), else ``exc``."""
     if f"no attribute '{method}'" in str(exc):
-        return RuntimeError(
+        raise RuntimeError(
             f"the engine's workers have no {method}: vllm-capture's worker extension is not "
             f"installed; pass worker_extension_cls={WORKER_EXTENSION!r} and "
             f"additional_config={{'{CONFIG_KEY}': {{...}}}} (vc.LLM and vc.engine_kwargs do; "
-            f"for a server, --worker-extension-cls and --additional-config)")
+            f"for a server, --worker-extension-cls and --additional-config)") from exc
     m = _TAGGED.search(str(exc))
     if m is None:
-        return exc
-    return (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2))
+        raise exc
+    raise (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2)) from exc
 
 
 def _rpc_value(value):
