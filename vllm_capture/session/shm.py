@@ -228,8 +228,8 @@ def client_owner(probe: Any) -> str | None:
     path = probe.get("path") if isinstance(probe, dict) else None
     if not isinstance(path, str) or not os.path.basename(path).startswith(PROBE):
         return None
-    pid, token, *rest = os.path.basename(path)[len(PROBE):].split("-") + ["", ""]
-    if not (pid.isdigit() and len(token) == 8 and all(c in "0123456789abcdef" for c in token)):
+    pid, token = (os.path.basename(path)[len(PROBE):].split("-") + ["", ""])[:2]
+    if not (pid.isdigit() and len(token) == 8 and set(token) <= set("0123456789abcdef")):
         return None
     return f"{pid}-{token}"
 
