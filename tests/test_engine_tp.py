@@ -16,9 +16,11 @@ import pytest
 
 import vllm_capture as vc
 from tests.engine_support import (
+    FidelityReport,
     HFReference,
     assert_close_rows,
     check_result_labels,
+    compare_with_hf,
     fed_tokens,
     make_llm,
     owner_of,
@@ -67,11 +69,11 @@ def _check_rows(res, prompts, hf, stream) -> None:
     fed = [fed_tokens(p, o) for p, o in zip(prompts, res.outputs)]
     check_result_labels(res, fed, [range(len(f)) for f in fed])
     assert sorted(res.layers) == list(range(NUM_LAYERS))
-    for layer in range(NUM_LAYERS):
-        for i, f in enumerate(fed):
-            pos = res.sample_positions(i).long()
-            assert_close_rows(res.sample_rows(i, layer), hf.run(f)[stream][layer][pos],
-                              rtol=RTOL, atol=ATOL, what=f"{stream} layer {layer} prompt {i}")
+    checks: list = []
+    compare_with_hf(res, prompts, fed, hf, stream, NUM_LAYERS, FidelityReport(f"tp2_{stream}"),
+                    checks, what="tp=2 ")
+    for got, want, what in checks:
+        assert_close_rows(got, want, rtol=RTOL, atol=ATOL, what=what)
 
 
 def _prompts(seed: int) -> list[list[int]]:
