@@ -955,8 +955,8 @@ def test_finished_reductions_wait_for_the_fetch_which_reads_and_stores_them_at_o
     reads = []
     read_acc_slots = engine.session.graph_state.read_acc_slots
     monkeypatch.setattr(engine.session.graph_state, "read_acc_slots",
-                        lambda component, slots, mean: reads.append(list(slots))
-                        or read_acc_slots(component, slots, mean))
+                        lambda component, slots, *args: reads.append(list(slots))
+                        or read_acc_slots(component, slots, *args))
     engine.step([(a, 2), (b, 3)])
     engine.step([(a, 1), (b, 1)])  # a finishes, b stays open
     engine.step([(b, 1)])  # a's finish is observed
@@ -1261,6 +1261,35 @@ def test_a_request_id_given_again_after_its_rows_were_fetched_is_captured():
     for layer in LAYERS[HS]:
         assert [(rid, q, t) for rid, q, t, _ in rows[layer]] == [
             (again.rid, q, t) for q, t in enumerate([4, 0, 1, 2])]
+
+
+@pytest.mark.parametrize("dtype", ["float32", None])
+def test_a_mean_keeps_the_precision_of_the_stream_dtype(dtype):
+    """The attention-head sites are float16. A mean asked for in float32 is the float32 mean of
+    their rows, not that mean rounded to float16 on the way; without a dtype it is stored in
+    the sites' float16."""
+    engine = Engine()
+    ref = RefStream(AH, 8, reduce="mean")
+    engine.refs = [ref]
+    engine.session.enable_stream(AH, reduce="mean", dtype=dtype)
+    reqs = [Req(num=i, prompt=[1, 2, 3, 4, 0], gen=[1, 2, 3]) for i in range(3)]
+    engine.step([(r, 5) for r in reqs])
+    for _ in range(2):
+        engine.step([(r, 1) for r in reqs])
+    tensors, metas = engine.fetch(AH)
+    rows = decode_rows(tensors, metas)
+    assert {t.dtype for t in tensors.values()} == {torch.float32 if dtype else torch.float16}
+    rounded = 0
+    for layer, layer_rows in rows.items():
+        for rid, _, _, values in layer_rows:
+            r = ref.req[rid]
+            want = act(r.num, ref.fed[rid], AH, layer).astype(np.float64).mean(axis=0)
+            if dtype:
+                np.testing.assert_allclose(values, want, rtol=1e-6, atol=1e-4)
+            else:
+                np.testing.assert_array_equal(values, want.astype(np.float16))
+            rounded += int((want.astype(np.float16) != want).sum())
+    assert rounded > 0  # float16 would have changed some of these means
 
 
 def test_more_reduce_segments_than_ring_capacity():

@@ -497,14 +497,16 @@ class CaptureGraphState:
             group.acc_count.index_fill_(1, idx, 0)
             group.acc_labels.index_fill_(1, idx, 0)
 
-    def read_acc_slots(self, component: str, slots: list[int], mean: bool) -> DrainedRows:
+    def read_acc_slots(self, component: str, slots: list[int], mean: bool,
+                       dtype: torch.dtype | None = None) -> DrainedRows:
         """Enqueue copies of the reductions in ``slots`` to host memory, without waiting.
 
-        ``layers`` maps layer -> (rows [n, W] in the site's dtype, labels int32 [n, 3], counts
-        int32 [n]): the fp32 accumulator as it is (``last``) or divided by its count (``mean``),
-        then cast on the device, so the copy carries storage bytes and the host converts nothing
-        (a worker's torch runs on one CPU thread). The gather (one per ring group, every enabled
-        layer at once) runs on the main stream, ahead of any later reset or reuse of those slots.
+        ``layers`` maps layer -> (rows [n, W] in ``dtype``, or the site's dtype where it is None,
+        labels int32 [n, 3], counts int32 [n]): the fp32 accumulator as it is (``last``) or
+        divided by its count (``mean``), then cast on the device, so the copy carries storage
+        bytes and the host converts nothing (a worker's torch runs on one CPU thread). The gather
+        (one per ring group, every enabled layer at once) runs on the main stream, ahead of any
+        later reset or reuse of those slots.
         """
         idx = self._device_index(slots)
         cuda = self.device.type == "cuda"
@@ -517,7 +519,7 @@ class CaptureGraphState:
             if mean:
                 acc = acc / counts.clamp(min=1).unsqueeze(2).to(acc.dtype)
             labels = group.acc_labels[group.enabled[0]].index_select(0, idx)
-            picked = (acc.to(group.ring.dtype), labels, counts)
+            picked = (acc.to(dtype or group.ring.dtype), labels, counts)
             gathered.append((group, picked))
         event = None
         if cuda:

@@ -718,7 +718,12 @@ class CaptureSession:
         # of those pages after the fetch 3-10 ms more (vLLM reports one request a step early).
         order = st.store.registration_order(st.slot_req_index[slots])
         req_ids, slots = [req_ids[i] for i in order], slots[order].tolist()
-        drained = self.graph_state.read_acc_slots(st.component, slots, st.config.reduce == "mean")
+        mean = st.config.reduce == "mean"
+        # A mean leaves the device in the stream's dtype where one is set: in the site's (the
+        # model's) it would be rounded there, below the precision asked for. A last row is one
+        # of the site's rows, exact in its dtype.
+        drained = self.graph_state.read_acc_slots(st.component, slots, mean,
+                                                  st.config.dtype if mean else None)
         positions = (st.slot_last_position[slots].tolist() if st.config.reduce == "last"
                      else [-1] * len(slots))
         st.free_slots.extend(slots)
