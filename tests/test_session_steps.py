@@ -1263,6 +1263,29 @@ def test_a_request_id_given_again_after_its_rows_were_fetched_is_captured():
             (again.rid, q, t) for q, t in enumerate([4, 0, 1, 2])]
 
 
+@pytest.mark.parametrize("capacity, acc_slots", [(95, 6), (93, 1), (96, 8)])
+def test_every_sites_buffers_start_16_byte_aligned_and_keep_their_rows(capacity, acc_slots):
+    """Triton specializes the kernel on its buffers' 16-byte alignment, and the variants are
+    compiled for aligned ones before graph capture. Sites share a group's tensors, so an odd row
+    count (max_num_batched_tokens) or slot count (max_num_seqs), or a width, would move the next
+    site's part off that alignment. Rows and reductions still come back right from each site."""
+    engine = Engine(capacity=capacity, acc_slots=acc_slots)
+    for site in engine.state.sites.values():
+        for name in ("ring", "ring_labels", "acc", "acc_labels", "acc_count"):
+            t = getattr(site, name)
+            assert t.data_ptr() % 16 == 0 and t.is_contiguous(), (site.component, site.layer_id, name)
+    rows, last = RefStream(HS, acc_slots), RefStream(AH, acc_slots, reduce="last")
+    engine.refs = [rows, last]
+    engine.session.enable_stream(HS)
+    engine.session.enable_stream(AH, reduce="last")
+    reqs = [Req(num=i, prompt=[1, 2, 3], gen=[4, 0]) for i in range(acc_slots)]
+    engine.step([(r, 3) for r in reqs])
+    for _ in range(2):
+        engine.step([(r, 1) for r in reqs])
+    check_rows(rows, decode_rows(*engine.fetch(HS)), rows.expected_rows([r.rid for r in reqs]))
+    check_reduced(last, decode_rows(*engine.fetch(AH)), [r.rid for r in reqs])
+
+
 @pytest.mark.parametrize("dtype", ["float32", None])
 def test_a_mean_keeps_the_precision_of_the_stream_dtype(dtype):
     """The attention-head sites are float16. A mean asked for in float32 is the float32 mean of

@@ -58,6 +58,7 @@ class RingGroup:
     device in one gather and one copy."""
 
     sites: list[Site]
+    # Views of padded tensors: each site's part starts 16-byte aligned (``_aligned_rows``).
     ring: torch.Tensor  # [sites, ring_rows, width]
     labels: torch.Tensor  # int32 [sites, ring_rows, 3]
     acc: torch.Tensor | None = None  # fp32 [sites, acc_slots, width]
@@ -70,11 +71,12 @@ class RingGroup:
 
 @dataclass
 class StreamPlanBuffers:
-    """Per-component plan, shared by all of its sites: one H2D copy per step."""
+    """Per-component plan, shared by all of its sites: at most one H2D copy per step (none
+    when the device holds the step's plan already)."""
 
-    buffer: torch.Tensor  # int32 [META_FIELDS + PLAN_FIELDS * capacity], device
-    meta: torch.Tensor  # view: int32 [META_SIZE]
-    plan: torch.Tensor  # view: int32 [PLAN_FIELDS, capacity], entry-major
+    buffer: torch.Tensor  # int32 [META_FIELDS + PLAN_FIELDS * plan_columns], device
+    meta: torch.Tensor  # view: int32 [META_FIELDS]
+    plan: torch.Tensor  # view: int32 [PLAN_FIELDS, plan_columns], entry-major
     host: np.ndarray  # the host image of ``buffer``
     step_cell: torch.Tensor  # view: meta[META_STEP], what a repeated step sets
     mode: int = L.MODE_OFF
@@ -106,7 +108,8 @@ class DrainedRows:
 
     component: str
     count: int
-    # layer_id -> (rows [count, width], labels int32 [count, 3]); host tensors once ``done`` is set.
+    # layer_id -> (rows [count, width], labels int32 [count, 3]), and counts int32 [count] for
+    # reductions; host tensors once ``wait()`` returns.
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
     layer_names: dict[int, str]
     event: object | None = None  # torch.cuda.Event on GPU; None when the copy already finished
@@ -190,22 +193,28 @@ class CaptureGraphState:
             for site in self.sites_of(component):
                 shapes.setdefault((site.width, site.dtype), []).append(site)
             for (width, dtype), members in shapes.items():
-                group = RingGroup(members, *L.new_ring_buffers(
-                    len(members) * self.ring_rows, width, dtype, self.device))
-                group.ring = group.ring.view(len(members), self.ring_rows, width)
-                group.labels = group.labels.view(len(members), self.ring_rows, L.LABEL_FIELDS)
-                acc, acc_labels, acc_count = L.new_acc_buffers(
-                    len(members) * self.acc_slots, width, self.device)
-                group.acc = acc.view(len(members), self.acc_slots, width)
-                group.acc_labels = acc_labels.view(len(members), self.acc_slots, L.LABEL_FIELDS)
-                group.acc_count = acc_count.view(len(members), self.acc_slots)
+                k = len(members)
+                # Each site's part of a group's tensor starts 16-byte aligned (rows padded
+                # between sites where need be), so every site launches the variant compiled
+                # before graph capture.
+                rows = _aligned_rows(self.ring_rows, width * dtype.itemsize, L.LABEL_FIELDS * 4)
+                ring, labels = L.new_ring_buffers(k * rows, width, dtype, self.device)
+                slots = _aligned_rows(self.acc_slots, width * 4, L.LABEL_FIELDS * 4, 4)
+                acc, acc_labels, acc_count = L.new_acc_buffers(k * slots, width, self.device)
+                group = RingGroup(
+                    members,
+                    ring.view(k, rows, width)[:, :self.ring_rows],
+                    labels.view(k, rows, L.LABEL_FIELDS)[:, :self.ring_rows],
+                    acc.view(k, slots, width)[:, :self.acc_slots],
+                    acc_labels.view(k, slots, L.LABEL_FIELDS)[:, :self.acc_slots],
+                    acc_count.view(k, slots)[:, :self.acc_slots])
                 for i, site in enumerate(members):
                     site.ring, site.ring_labels = group.ring[i], group.labels[i]
                     site.acc, site.acc_labels = group.acc[i], group.acc_labels[i]
                     site.acc_count = group.acc_count[i]
                 self.groups.setdefault(component, []).append(group)
-                nbytes += sum(t.numel() * t.element_size() for t in (
-                    group.ring, group.labels, group.acc, group.acc_labels, group.acc_count))
+                nbytes += sum(t.numel() * t.element_size()
+                              for t in (ring, labels, acc, acc_labels, acc_count))
         nbytes += sum(site.counter.numel() * site.counter.element_size()
                       for site in self.sites.values())
         self.allocation_bytes = nbytes
@@ -543,6 +552,18 @@ class CaptureGraphState:
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
         return DrainedRows(component, len(slots), layers, names, event)
+
+
+def _aligned_rows(rows: int, *row_bytes: int) -> int:
+    """The fewest rows, at least ``rows``, that fill a multiple of 16 bytes at every row size in
+    ``row_bytes``: the rows a site takes in a group's tensors, so that the next site's part starts
+    16-byte aligned. Triton specializes a pointer on that alignment; a site's buffer off it would
+    be another kernel variant, compiled at its first launch, inside graph capture (as with
+    ``max_num_seqs=50``: 50 accumulator slots of 12-byte labels)."""
+    aligned = rows
+    while any(aligned * size % 16 for size in row_bytes):
+        aligned += 1
+    return aligned
 
 
 def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
