@@ -1,8 +1,9 @@
 """Per-step wrappers: hand each runner's batch to the session as StepBuffers; bracket the forward.
 
 The only vLLM-version-specific knowledge of the step lives here. Both wrappers run on the worker
-thread, in step order; everything they enqueue goes to the current stream, so step N's drain is
-ordered before step N+1's forward even under async scheduling.
+thread, in step order. The plans and gathers they enqueue go to the current stream; a drain's
+device-to-host copies go to the graph state's copy stream after an event on it, and a later step
+that writes ring rows a copy still reads waits for that copy first, even under async scheduling.
 
 - V1 runner (and the CPU runner, its subclass): ``execute_model`` sees the scheduler output;
   ``_model_forward`` is called once per real step after the inputs are prepared (dummy, profile

@@ -157,7 +157,8 @@ ERROR_TAG = "[vllm-capture {kind}] "
 
 def _tagged_errors(method):
     """Tag errors with their type: vLLM hands worker errors to the client as a bare Exception
-    carrying only the message, and the client (``api._rpc``) re-raises the original type."""
+    carrying only the message, and the client (``api.raise_rpc_error``) raises a ValueError (for
+    a ValueError or KeyError) or a RuntimeError again."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):

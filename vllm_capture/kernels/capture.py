@@ -21,8 +21,9 @@ Why it looks the way it does (see ``docs/architecture.md`` and the vLLM integrat
   variant (one per dtype combination and residual presence) before graph capture, which vLLM's
   JIT monitor expects.
 * **Eager launches skip the JIT's dispatch.** Outside graphs (a prefill larger than the largest
-  captured graph, ``enforce_eager``) the op body launches at every site, every forward; Triton's
-  JIT spends most of such a launch binding and specializing arguments. :func:`launch_kernel`
+  captured graph, ``enforce_eager``) the op body launches, every forward, at every enabled site
+  whose stream has rows planned in the step; Triton's JIT spends most of such a launch binding
+  and specializing arguments. :func:`launch_kernel`
   keeps the kernel the JIT returned per specialization and calls its launcher directly.
 * **Strides.** Inductor may hand over non-contiguous views; the kernel takes ``x``/``residual``
   strides explicitly.
@@ -444,9 +445,10 @@ def warmup(
     (with/without residual), on tiny dummy buffers with the mode set to ROWS, with unit column
     stride (``x.stride(1) == 1``, what Inductor hands over in practice); ``strided_columns=True``
     also compiles the generic-column-stride variants. These are all of the kernel's compile-time
-    variants: sizes, strides and view pointers are not specialised, so steps with any ``T`` reuse
-    them. The site buffer is a dummy, so no real replay counter moves. A no-op (returns 0) off
-    CUDA or without Triton.
+    variants: sizes, strides and the ``x``/``residual``/``input_ids`` pointers are not
+    specialised, and every site's static buffers start 16-byte aligned
+    (``CaptureGraphState.allocate``), so steps with any ``T`` reuse them. The site buffer is a
+    dummy, so no real replay counter moves. A no-op (returns 0) off CUDA or without Triton.
     """
     device = torch.device(device)
     if not HAVE_TRITON or device.type != "cuda":

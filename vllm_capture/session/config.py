@@ -117,11 +117,9 @@ class StreamConfig:
         return self.select is not None
 
     def to_dict(self) -> dict[str, Any]:
-        """Msgpack-safe summary that is also valid ``StreamConfig`` kwargs.
-
-        Status RPCs report it, and a client can re-enable an identical stream
-        from it.
-        """
+        """Msgpack-safe summary that is also valid ``StreamConfig`` kwargs: a client can
+        re-enable an identical stream from it (status RPCs report only ``reduce`` and
+        ``select``)."""
         return {
             "layers": sorted(self.layers) if self.layers is not None else None,
             "dtype": _DTYPE_NAMES[self.dtype] if self.dtype is not None else None,

@@ -7,8 +7,9 @@ token_id)`` where ``req_idx`` indexes ``req_table`` — so clients never
 re-derive sample alignment, and malformed labels are refused before any row
 enters.
 
-Each ``append`` (one layer, one engine step, many requests) becomes one
-chunk, copied once and grouped by request; draining a request marks its rows
+Each ``append`` (one layer; the rows of one or more drained steps, many
+requests) becomes one chunk, grouped by request and copied at most once
+(kept as it is when it arrives in that order); draining a request marks its rows
 dead, and chunks are freed when empty and compacted when mostly dead (see
 ``StreamStore``). A fetch with ``raw_data`` copies no rows: it hands out each
 layer's rows as a ``FetchedRows`` (byte count known, copy planned) that the
@@ -92,7 +93,7 @@ class _Spans(NamedTuple):
 
 
 class _Chunk:
-    """The kept rows of one ``append``: one layer, one engine step, many requests.
+    """The kept rows of one ``append``: one layer, one or more engine steps, many requests.
 
     Rows are grouped by request (requests in registration order, each
     request's rows in batch order): the request in slot ``s`` is
@@ -232,12 +233,12 @@ class _GatherPlan(NamedTuple):
 class StreamStore:
     """Bounded, chunk-appending CPU store for one capture stream.
 
-    Storage: each ``append`` (one layer, one engine step, many requests)
-    becomes one chunk. Its kept rows are copied once, grouped by request
+    Storage: each ``append`` (one layer, one or more engine steps, many
+    requests) becomes one chunk. Its kept rows are copied at most once, grouped by request
     with one stable argsort, and the chunk records each request's rows (a
     span per request). Appending costs one copy plus a few whole-batch numpy
     operations, never a copy or Python step per request: the harvest thread
-    appends once per layer per engine step and must keep up with serving.
+    appends once per layer per harvest batch and must keep up with serving.
     A per-request index ((layer, chunk) -> span) serves per-request fetches;
     it is built lazily, in batches, when a fetch or discard first needs it,
     so neither appends nor drains of everything pay for it.
@@ -264,7 +265,8 @@ class StreamStore:
     reused, attributed to its new owner.
 
     Every public method holds ``lock`` (reentrant, so a caller that already
-    holds it to group calls does not deadlock).
+    holds it to group calls does not deadlock), but for the lock-free reads
+    ``holds_request``, ``registration_order`` and ``bytes_stored``.
     """
 
     def __init__(self, config: StreamConfig):
@@ -472,7 +474,8 @@ class StreamStore:
         adopt: bool = False,
         arrival: np.ndarray | None = None,
     ) -> None:
-        """Store drained host rows of one engine step: one chunk per layer, one set of labels.
+        """Store drained host rows of one or more engine steps: one chunk per layer, one set of
+        labels.
 
         Every layer's tensor holds the same rows (the step's plan), labelled by ``meta``, int32
         ``[rows, 3]`` (req_idx, position, token_id) with req_idx from ``request_index``. Checking
@@ -637,11 +640,12 @@ class StreamStore:
             )
 
     def count_dropped(self, count: int) -> None:
-        """Count rows lost before they reached the store (a full device ring).
+        """Count selected rows that never reached the store: rows past a step's
+        capacity (the capture buffer), or rows of a reduction that a fetch
+        closed early.
 
         They share ``tokens_dropped`` with budget drops because a client
-        cares that its sample is incomplete, not where it was cut; the
-        caller reports the cause.
+        cares that its sample is incomplete, not where it was cut.
         """
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"dropped row count must be a nonnegative int, got {count!r}")
