@@ -23,8 +23,8 @@ Why it looks the way it does (see ``docs/architecture.md`` and the vLLM integrat
 * **Eager launches skip the JIT's dispatch.** Outside graphs (a prefill larger than the largest
   captured graph, ``enforce_eager``) the op body launches, every forward, at every enabled site
   whose stream has rows planned in the step; Triton's JIT spends most of such a launch binding
-  and specializing arguments. :func:`launch_kernel`
-  keeps the kernel the JIT returned per specialization and calls its launcher directly.
+  and specializing arguments. :func:`launch_kernel` keeps the kernel the JIT returned per
+  specialization and calls its launcher directly.
 * **Strides.** Inductor may hand over non-contiguous views; the kernel takes ``x``/``residual``
   strides explicitly.
 * **The replay counter.** ``site[SITE_EXECUTIONS]`` is incremented by exactly one program per

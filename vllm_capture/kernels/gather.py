@@ -44,10 +44,11 @@ if HAVE_TRITON:
         """Copy plan entries ``[pid_r*BLOCK_R, +BLOCK_R) & < n`` x columns ``[pid_w*BLOCK_W, +BLOCK_W)``.
 
         ``row``, ``req`` and ``pos`` are those entries' ``plan[PLAN_ROW]``, ``plan[PLAN_REQ]`` and
-        ``plan[PLAN_POS]`` plus the meta's step (the label position; [BLOCK_R], read by the caller before it knew the mode, so that they
-        load alongside it). ``spec_x`` and ``spec_tok`` are fp32 rows ``r`` of this tile and their
-        token ids, read by the caller alongside the plan where ``spec_ok``; an entry whose planned
-        row is ``r`` takes them instead of reading its row after the plan. ``n`` (already clamped to the ring's end) and ``offset`` (already
+        ``plan[PLAN_POS]`` plus the meta's step (the label position), each [BLOCK_R], read by the
+        caller before it knew the mode, so that they load alongside it. ``spec_x`` and ``spec_tok``
+        are fp32 rows ``r`` of this tile and their token ids, read by the caller alongside the plan
+        where ``spec_ok``; an entry whose planned row is ``r`` takes them instead of reading its
+        row after the plan. ``n`` (already clamped to the ring's end) and ``offset`` (already
         checked >= 0) come from device memory, so the same compiled kernel and grid serve every
         step of a captured graph. Labels are written once per row, by the ``pid_w == 0`` column
         block.

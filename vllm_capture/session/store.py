@@ -9,8 +9,8 @@ enters.
 
 Each ``append`` (one layer; the rows of one or more drained steps, many
 requests) becomes one chunk, grouped by request and copied at most once
-(kept as it is when it arrives in that order); draining a request marks its rows
-dead, and chunks are freed when empty and compacted when mostly dead (see
+(kept as it is when it arrives in that order); draining a request marks its
+rows dead, and chunks are freed when empty and compacted when mostly dead (see
 ``StreamStore``). A fetch with ``raw_data`` copies no rows: it hands out each
 layer's rows as a ``FetchedRows`` (byte count known, copy planned) that the
 caller copies once, into its own buffer (the worker: its shared-memory reply
@@ -234,8 +234,8 @@ class StreamStore:
     """Bounded, chunk-appending CPU store for one capture stream.
 
     Storage: each ``append`` (one layer, one or more engine steps, many
-    requests) becomes one chunk. Its kept rows are copied at most once, grouped by request
-    with one stable argsort, and the chunk records each request's rows (a
+    requests) becomes one chunk. Its kept rows are copied at most once,
+    grouped by request with one stable argsort, and the chunk records each request's rows (a
     span per request). Appending costs one copy plus a few whole-batch numpy
     operations, never a copy or Python step per request: the harvest thread
     appends once per layer per harvest batch and must keep up with serving.
