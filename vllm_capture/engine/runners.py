@@ -55,7 +55,7 @@ def _switch_off_before_unplanned_forwards(runner, session) -> None:
         setattr(runner, name, unplanned)
 
 
-def wrap_v1_runner(runner, session) -> None:
+def wrap_v1_runner(runner, session):
     """V1 GPU runner and the CPU runner."""
     execute_model = runner.execute_model
     model_forward = runner._model_forward
@@ -85,7 +85,7 @@ def wrap_v1_runner(runner, session) -> None:
     return runner.input_ids.gpu
 
 
-def wrap_v2_runner(runner, session) -> None:
+def wrap_v2_runner(runner, session):
     execute_model = runner.execute_model
     prepare_inputs = runner.prepare_inputs
 
