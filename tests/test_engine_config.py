@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_capture.engine.config import EngineCaptureConfig, engine_kwargs
-from vllm_capture.engine.worker_ext import _capacity
+from vllm_capture.engine.worker_ext import _buffers_do_not_fit, _capacity, check_supported
 
 
 def _vllm_config(max_num_batched_tokens: int):
@@ -36,6 +36,14 @@ def test_byte_budget_sets_rows_per_step_and_warns_when_a_step_does_not_fit(caplo
     assert _capacity(EngineCaptureConfig(buffer_bytes=1), targets, _vllm_config(512)) == 1
 
 
+def test_rings_that_do_not_fit_are_sized_in_the_error_with_what_caps_them():
+    # An 8B's hidden states and attention heads (64 sites 4,096 wide, bf16) at vLLM's default
+    # 16,384 tokens a step on an H100 or H200: two slots of (8,192 + 12) bytes a row each.
+    message = _buffers_do_not_fit(EngineCaptureConfig(), _targets([4096] * 64), 16384)
+    assert "16.0 GiB (16384 rows a step at each of 64 call sites" in message
+    assert "capture_buffer_bytes" in message and "capture_components" in message
+
+
 @pytest.mark.parametrize("field,value", [("buffer_bytes", 0), ("buffer_bytes", True),
                                          ("reduce_slots", -1), ("ring_slots", 1.5),
                                          ("components", "hidden_states"), ("components", [])])
@@ -49,3 +57,27 @@ def test_engine_kwargs_carry_the_config_through_additional_config():
     cfg = EngineCaptureConfig.from_vllm_config(SimpleNamespace(additional_config=kw["additional_config"]))
     assert cfg == EngineCaptureConfig(components=("hidden_states",))
     assert kw["max_model_len"] == 64
+
+
+def _parallel_config(**overrides):
+    parallel = dict(enable_dbo=False, data_parallel_size=1)
+    passes = dict(enable_sp=False, fuse_gemm_comms=False)
+    speculative = overrides.pop("speculative_config", None)
+    for key in list(overrides):
+        (passes if key in passes else parallel)[key] = overrides.pop(key)
+    return SimpleNamespace(speculative_config=speculative,
+                           parallel_config=SimpleNamespace(**parallel),
+                           compilation_config=SimpleNamespace(pass_config=SimpleNamespace(**passes)))
+
+
+@pytest.mark.parametrize("setting, named", [
+    (dict(speculative_config=object()), "speculative_config"),
+    (dict(enable_dbo=True), "enable_dbo"),
+    (dict(data_parallel_size=2), "data_parallel_size=2"),
+    (dict(enable_sp=True), "pass_config.enable_sp"),
+    (dict(fuse_gemm_comms=True), "pass_config.fuse_gemm_comms"),
+])
+def test_configurations_that_would_lose_or_misplace_rows_are_refused_by_name(setting, named):
+    check_supported(_parallel_config())  # the default passes
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        check_supported(_parallel_config(**setting))

@@ -33,9 +33,14 @@ logger = logging.getLogger("vllm_capture")
 SESSION_ATTR = "_vllm_capture_session"
 
 
+def _ring_bytes_per_row(cfg: EngineCaptureConfig, targets) -> int:
+    """Device bytes that one row a step costs across ``targets``' rings (rows and labels)."""
+    return sum((t.width * t.dtype.itemsize + 12) * cfg.ring_slots for t in targets)
+
+
 def _capacity(cfg: EngineCaptureConfig, targets, vllm_config) -> int:
     """Rows per step per component: all rows of the largest step, or what the byte budget holds."""
-    bytes_per_row = sum((t.width * t.dtype.itemsize + 12) * cfg.ring_slots for t in targets)
+    bytes_per_row = _ring_bytes_per_row(cfg, targets)
     max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     if bytes_per_row == 0 or cfg.buffer_bytes is None:
         return max_tokens
@@ -47,6 +52,13 @@ def _capacity(cfg: EngineCaptureConfig, targets, vllm_config) -> int:
             "in tokens_dropped); %d bytes hold every row", cfg.buffer_bytes, capacity, max_tokens,
             bytes_per_row * max_tokens)
     return capacity
+
+
+def _buffers_do_not_fit(cfg: EngineCaptureConfig, targets, capacity: int) -> str:
+    gib = _ring_bytes_per_row(cfg, targets) * capacity / 2**30
+    return (f"vllm-capture: its device rings, {gib:.1f} GiB ({capacity} rows a step at each of {len(targets)} call sites: by default every "
+            f"row of the largest step, max_num_batched_tokens), do not fit beside the model; cap "
+            f"them with capture_buffer_bytes or capture fewer capture_components")
 
 
 def tp_rank_and_size() -> dict:
@@ -63,22 +75,34 @@ def tp_rank_and_size() -> dict:
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def install(worker) -> CaptureSession | None:
-    cfg = EngineCaptureConfig.from_vllm_config(worker.vllm_config)
-    if cfg is None:
-        return None
-    runner = worker.model_runner
-    if worker.vllm_config.speculative_config is not None:
+def check_supported(vllm_config) -> None:
+    """Refuse, at load, the engine configurations whose rows capture would get wrong or lose."""
+    if vllm_config.speculative_config is not None:
         # Draft tokens are rows of the step that may be rejected and recomputed.
         raise ValueError("vllm-capture does not support speculative decoding (speculative_config)")
-    if getattr(worker.vllm_config.parallel_config, "enable_dbo", False):
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "enable_dbo", False):
         raise ValueError("vllm-capture does not support dual-batch overlap (enable_dbo)")
-    pass_config = getattr(worker.vllm_config.compilation_config, "pass_config", None)
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        # vLLM's client sends an RPC to every engine but returns the first engine's replies
+        # only: a fetch would clear every engine's rows and hand back one engine's.
+        raise ValueError(f"vllm-capture does not support data parallelism "
+                         f"(data_parallel_size={parallel.data_parallel_size}): a fetch would "
+                         f"return one engine's rows and drop the others'")
+    pass_config = getattr(vllm_config.compilation_config, "pass_config", None)
     for flag in ("enable_sp", "fuse_gemm_comms"):
         if getattr(pass_config, flag, False):
             # Sequence parallelism shards the residual stream by token: a rank's rows would no
             # longer be the step's rows.
             raise ValueError(f"vllm-capture needs compilation_config.pass_config.{flag}=False")
+
+
+def install(worker) -> CaptureSession | None:
+    cfg = EngineCaptureConfig.from_vllm_config(worker.vllm_config)
+    if cfg is None:
+        return None
+    runner = worker.model_runner
+    check_supported(worker.vllm_config)
     started = time.perf_counter()
     model = runner.get_model()
     model_config = worker.vllm_config.model_config
@@ -93,10 +117,14 @@ def install(worker) -> CaptureSession | None:
                        "will fail", type(model).__name__, component, WHERE_SITES_ARE[component])
     device = next(model.parameters()).device
     max_seqs = int(worker.vllm_config.scheduler_config.max_num_seqs)
-    state = CaptureGraphState(device=device, capacity=_capacity(cfg, targets, worker.vllm_config),
-                              ring_slots=cfg.ring_slots, acc_slots=min(cfg.reduce_slots, max_seqs))
+    capacity = _capacity(cfg, targets, worker.vllm_config)
+    state = CaptureGraphState(device=device, capacity=capacity, ring_slots=cfg.ring_slots,
+                              acc_slots=min(cfg.reduce_slots, max_seqs))
     instrument(targets, state.add_site)
-    state.allocate()
+    try:
+        state.allocate()
+    except torch.OutOfMemoryError as exc:
+        raise torch.OutOfMemoryError(_buffers_do_not_fit(cfg, targets, capacity)) from exc
     # vLLM sizes the KV cache from memory measured while weights load and during profiling;
     # buffers allocated in between are invisible to it unless counted as model memory.
     if hasattr(runner, "model_memory_usage"):
