@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_capture.engine.instrument import find_targets
+from vllm_capture.engine.instrument import SITE_BUFFER, _captured_subclass, find_targets
+from vllm_capture.kernels import ops
 from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
 
 
@@ -113,11 +114,18 @@ def test_heads_layout_is_this_ranks(width, heads, layout):
 
 
 class _ReplicatedLinear(nn.Linear):
-    """vLLM's linear layers carry their output width as output_size."""
+    """vLLM's linear layers carry their output width as output_size; their weights are in the
+    model's dtype unless the model asks for another (Ernie-4.5-MoE's float32 gate), or quantized."""
 
-    def __init__(self, width, experts):
-        super().__init__(width, experts)
+    def __init__(self, width, experts, dtype=torch.bfloat16):
+        super().__init__(width, experts, dtype=dtype)
         self.output_size = experts
+
+
+def _quantized_gate(width, experts):
+    gate = _ReplicatedLinear(width, experts)
+    gate.weight = nn.Parameter(torch.zeros(experts, width, dtype=torch.int8), requires_grad=False)
+    return gate
 
 
 class _MoE(nn.Module):
@@ -138,6 +146,8 @@ class _MoELayer(_DecoderLayer):
     ("mlp", "gate", nn.Linear(64, 8, dtype=torch.float32), torch.float32),  # GLM-4-MoE
     ("mlp", "router", _ReplicatedLinear(64, 8), torch.bfloat16),  # GPT-OSS
     ("feed_forward", "router", _ReplicatedLinear(64, 8), torch.bfloat16),  # Llama 4
+    ("mlp", "gate", _ReplicatedLinear(64, 8, dtype=torch.float32), torch.float32),  # Ernie-4.5
+    ("mlp", "gate", _quantized_gate(64, 8), torch.bfloat16),  # an int8 gate returns the model's
 ])
 def test_routers_are_found_by_either_name_beside_the_experts(block_name, router_name, router,
                                                               dtype):
@@ -147,3 +157,48 @@ def test_routers_are_found_by_either_name_beside_the_experts(block_name, router_
     assert target.name == f"model.layers.0.{block_name}.{router_name}"
     assert target.module is router
     assert (target.width, target.dtype) == (8, dtype)
+
+
+class _ReturnsTuple(nn.Module):
+    """A decoder layer that returns what it is given: vLLM's return (hidden, residual), HunYuan's
+    (hidden, residual, kv states), Gemma-3n's one [inputs, tokens, hidden] tensor."""
+
+    def forward(self, out):
+        return out
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    ops.register_op()
+    calls = []
+    monkeypatch.setattr(ops, "_handler", lambda x, residual, site: calls.append((x, residual)))
+    return calls
+
+
+def _captured_layer():
+    layer = _ReturnsTuple()
+    layer.register_buffer(SITE_BUFFER, torch.zeros(2, dtype=torch.int32), persistent=False)
+    layer.__class__ = _captured_subclass(_ReturnsTuple, HIDDEN_STATES)
+    return layer
+
+
+@pytest.mark.parametrize("extra", [(), (torch.ones(3, 4),)])
+def test_hidden_states_are_the_layers_output_plus_its_residual_whatever_follows(op_calls, extra):
+    hidden, residual = torch.randn(3, 4), torch.randn(3, 4)
+    out = (hidden, residual, *extra)
+    assert _captured_layer()(out) is out
+    ((x, res),) = op_calls
+    assert x is hidden and res is residual
+
+
+def test_a_layer_without_residual_is_captured_as_it_returns(op_calls):
+    hidden = torch.randn(3, 4)
+    _captured_layer()((hidden, None))
+    _captured_layer()(hidden)
+    assert [(x is hidden, res) for x, res in op_calls] == [(True, None), (True, None)]
+
+
+def test_hidden_states_of_another_shape_are_refused_with_the_component_to_leave_out(op_calls):
+    with pytest.raises(ValueError, match=r"shaped \(4, 3, 8\).*capture_components"):
+        _captured_layer()(torch.randn(4, 3, 8))
+    assert op_calls == []

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_capture.kernels.layout import STORAGE_DTYPES
 from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
 
 SITE_BUFFER = "_vllm_capture_site"
@@ -129,9 +130,13 @@ def find_targets(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> list
         router = _router_gate(layer)
         if router is not None:
             gate_name, gate, width = router
-            # torch's own Linear (never quantized) returns its weight's dtype.
+            # An unquantized linear returns its weight's dtype, which may be wider than the
+            # model's (GLM-4-MoE's nn.Linear, Ernie-4.5-MoE's float32 ReplicatedLinear); a
+            # quantized one's weight is in another dtype, and it returns the model's.
+            weight = getattr(gate, "weight", None)
             gate_dtype = getattr(gate, "out_dtype", None) or (
-                gate.weight.dtype if type(gate) is nn.Linear else dtype)
+                weight.dtype if isinstance(weight, torch.Tensor)
+                and weight.dtype in STORAGE_DTYPES else dtype)
             targets.append(Target(ROUTER_LOGITS, layer_id, f"{name}.{gate_name}", gate, width,
                                   gate_dtype, {"width": width}))
     seen: dict[tuple[str, int], str] = {}
@@ -155,11 +160,19 @@ def _captured_subclass(cls: type, component: str) -> type:
     if component == HIDDEN_STATES:
         def forward(self, *args, **kwargs):
             out = super(sub, self).forward(*args, **kwargs)
-            if isinstance(out, tuple) and len(out) == 2 and out[1] is not None:
-                torch.ops.vllm_capture.capture(out[0], out[1], getattr(self, SITE_BUFFER))
-            else:
-                hidden = out[0] if isinstance(out, tuple) else out
-                torch.ops.vllm_capture.capture(hidden, None, getattr(self, SITE_BUFFER))
+            hidden = out[0] if isinstance(out, tuple) else out
+            # vLLM's layers return (hidden, residual), some with more after them (HunYuan's
+            # kv states): the residual stream is their sum.
+            residual = out[1] if isinstance(out, tuple) and len(out) >= 2 else None
+            if not isinstance(residual, torch.Tensor):
+                residual = None
+            if hidden.dim() != 2:
+                raise ValueError(
+                    f"vllm-capture: {cls.__name__} returns hidden states shaped "
+                    f"{tuple(hidden.shape)}, not [tokens, hidden size]; this model's "
+                    f"{HIDDEN_STATES} cannot be captured: leave the component out "
+                    f"(capture_components)")
+            torch.ops.vllm_capture.capture(hidden, residual, getattr(self, SITE_BUFFER))
             return out
     elif component == ATTENTION_HEADS:
         def forward(self, input_, *args, **kwargs):
