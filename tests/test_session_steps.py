@@ -40,6 +40,7 @@ from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.kernels import layout as L
 from vllm_capture.selection import SelectSpec, StepBuffers
 from vllm_capture.session.session import HARVEST_IDLE_S, CaptureSession
+from vllm_capture.session.store import StreamStore
 from vllm_capture.session.wire import deserialize_captured
 
 HS, AH = "hidden_states", "attention_heads"
@@ -2126,3 +2127,99 @@ def test_a_finished_request_keeps_its_index_until_its_rows_leave_the_ring():
     engine.step([(c, 1)])  # b's finish: a new index must not take a's
     rows = decode_rows(*engine.fetch(HS))
     check_rows(ref, rows, ref.expected_rows([a.rid, b.rid, c.rid]))
+
+
+# ---- failures that must not leave a fetch silently partial -------------------------------------
+
+
+def _failing_appends(monkeypatch, store, times=1):
+    """``store``'s next ``times`` appends raise (a host out of memory, say), on whichever thread."""
+    real, left = StreamStore.append_layers, [times]
+
+    def append_layers(self, *args, **kwargs):
+        if self is store and left[0] > 0:
+            left[0] -= 1
+            raise MemoryError("host out of memory while storing a drain")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamStore, "append_layers", append_layers)
+
+
+def test_a_failed_harvest_makes_every_fetch_of_its_stream_raise_until_cleared(monkeypatch):
+    engine = Engine()
+    engine.session.enable_stream(HS)
+    engine.session.enable_stream(AH)
+    a = Req(num=0, prompt=[1, 2, 3, 4], gen=[1, 2])
+    engine.step([(a, 4)])
+    engine.session._wait_harvest()  # step 0's rows are stored
+    _failing_appends(monkeypatch, engine.session._streams[HS].store)
+    engine.step([(a, 1)])  # position 4's rows fail to store, on the harvest thread
+    with pytest.raises(RuntimeError, match="harvest failed"):
+        engine.session.stream_status(AH)  # another stream's call is the first to hear of it
+    engine.step([(a, 1)])
+    engine.step([])
+    status = engine.session.stream_status(HS)
+    assert status["meta_complete"] is False and "MemoryError" in status["rows_lost"]
+    for _ in range(2):  # not once: every fetch, until the stream is cleared
+        with pytest.raises(RuntimeError, match="lost before they were stored"):
+            engine.session.fetch_stream(HS)
+    # The failed batch held the other stream's rows of that step too: whether they were stored
+    # is not known either.
+    assert engine.session.stream_status(AH)["meta_complete"] is False
+    for stream in (HS, AH):
+        engine.session.clear_stream(stream)
+        assert engine.session.stream_status(stream)["rows_lost"] is None
+        assert engine.session.fetch_stream(stream) == {}
+
+
+def test_reductions_a_failed_fetch_read_are_kept_for_the_next(monkeypatch):
+    """The harvest error reaches a fetch of another stream after that fetch read its closed
+    reductions (and freed their slots): they wait for the next fetch instead of vanishing."""
+    engine = Engine(acc_slots=4)
+    ref = RefStream(HS, 4, reduce="last")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="last")
+    engine.session.enable_stream(AH)
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4])
+    _failing_appends(monkeypatch, engine.session._streams[AH].store, times=10)
+    engine.step([(a, 3)])
+    engine.step([(a, 1)])
+    engine.step([])  # a finished: its reduction waits in its slot for the fetch
+    with pytest.raises(RuntimeError, match="harvest failed"):
+        engine.session.fetch_stream(HS)
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid])
+
+
+def test_clearing_a_stream_keeps_the_failure_of_a_request_still_running():
+    engine = Engine(acc_slots=1)
+    ref = RefStream(HS, 1, reduce="mean")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="mean")
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 0, 1])
+    b = Req(num=1, prompt=[2, 3], gen=[1, 2, 3])  # no slot left: failed, and it runs on
+    engine.step([(a, 3), (b, 2)])
+    engine.session.clear_stream(HS)
+    for _ in range(3):
+        engine.step([(a, 1), (b, 1)])
+    engine.step([])
+    assert engine.session.stream_status(HS)["failed_reqs"] == 1
+    with pytest.raises(RuntimeError, match=f"failed request.*{b.rid}"):
+        engine.session.fetch_stream(HS)
+    check_reduced(ref, decode_rows(*engine.fetch(HS, req_ids=[a.rid])), [a.rid])
+
+
+def test_a_refused_fetch_leaves_the_running_reductions_as_they_were():
+    engine = Engine(acc_slots=1)
+    ref = RefStream(HS, 1, reduce="last")
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="last")
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 0, 1])
+    b = Req(num=1, prompt=[2, 3], gen=[])  # no slot: failed
+    engine.step([(a, 3), (b, 2)])
+    with pytest.raises(RuntimeError, match="failed request"):
+        engine.session.fetch_stream(HS)  # refused: a's last goes on
+    for _ in range(3):
+        engine.step([(a, 1)])
+    engine.step([])
+    check_reduced(ref, decode_rows(*engine.fetch(HS, req_ids=[a.rid])), [a.rid])
+    assert engine.session.stream_status(HS)["tokens_dropped"] == 0

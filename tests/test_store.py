@@ -946,10 +946,12 @@ def test_clear_keeps_active_indices_and_releases_finished_ones():
     store.append(0, *_interleaved([(a, 0), (b, 0)]), "l0")
     store.finish_requests(["b"])
     store.mark_elided("zz")
+    store.mark_lost("a harvest failed")
     store.clear()
     assert store.status() == {
         "layers_captured": 0, "tokens_stored": 0, "tokens_dropped": 0,
-        "cache_elided_reqs": 0, "failed_reqs": 0, "requests": 1, "bytes_stored": 0,
+        "cache_elided_reqs": 0, "failed_reqs": 0, "rows_lost": None, "requests": 1,
+        "bytes_stored": 0,
     }
     assert store.request_index("a") == a and store.request_index("c") == b
     store.append(0, *_rows(a, [1]), "l0")
@@ -999,6 +1001,7 @@ def test_empty_append_and_status_are_msgpack_safe():
     store.request_index("a")
     store.append(0, torch.zeros(0, WIDTH), torch.zeros(0, 3, dtype=torch.int32), "l0")
     status = store.status()
+    assert status.pop("rows_lost") is None  # a str where rows were lost
     assert all(type(k) is str and type(v) is int for k, v in status.items())
     assert status["layers_captured"] == 0 and store.serialize() == {}
 

@@ -312,6 +312,8 @@ class CaptureSession:
         if st is None:
             return {}
         t0 = time.perf_counter()
+        # A fetch that will be refused changes nothing: no reduction is cut for it.
+        st.store.check_servable(req_ids)
         if st.config.reduce != "all":
             # Reductions of requests still open close now (capture() fetches after generate()
             # returned, when every request is done; vLLM tells the worker they finished only
@@ -325,7 +327,11 @@ class CaptureSession:
         t1 = time.perf_counter()
         self._drain_all()
         t_drain = time.perf_counter()
-        self._await_harvest()
+        try:
+            self._await_harvest()
+        except BaseException:
+            st.held = held + st.held  # read, slots freed: stored at the next fetch, not lost
+            raise
         t_store = time.perf_counter()
         if held:
             # Stored on this thread, after everything queued before them: handed to the harvest
@@ -356,7 +362,8 @@ class CaptureSession:
         st = self._streams[stream]
         if st is not None:
             self._wait_harvest()
-            st.store.clear()
+            # A failed request that still runs stays failed: none of its later rows come.
+            st.store.clear(still_failed=st.closed)
 
     def stream_status(self, stream: str) -> dict[str, Any]:
         self._check_stream(stream)
@@ -393,7 +400,10 @@ class CaptureSession:
             "tokens_dropped": store_status["tokens_dropped"],
             "reduce": st.config.reduce,
             "select": st.config.select,
-            "meta_complete": True,
+            # False once rows of the stream were lost before they were stored (rows_lost says
+            # why): every fetch raises until the stream is cleared.
+            "meta_complete": store_status["rows_lost"] is None,
+            "rows_lost": store_status["rows_lost"],
             "cache_elided_reqs": store_status["cache_elided_reqs"],
             "failed_reqs": store_status["failed_reqs"],
             "pending_reductions": len(st.slots),
@@ -664,7 +674,9 @@ class CaptureSession:
                 if not st.free_slots:
                     st.store.fail_request(
                         req_id, f"more concurrent requests than reduce slots "
-                                f"({self.graph_state.acc_slots}); raise capture reduce_slots")
+                                f"({self.graph_state.acc_slots}): a request holds one while it "
+                                f"runs or waits preempted, and there are capture reduce_slots of "
+                                f"them, at most max_num_seqs")
                     st.closed.add(req_id)
                     continue
                 slot = st.free_slots.pop()
@@ -772,6 +784,10 @@ class CaptureSession:
             except BaseException as exc:  # surfaced at the next fetch/status
                 logger.exception("vllm-capture harvest failed")
                 self._harvest_error = exc
+                # Which of the batch's rows were stored is not known: each stream it fed
+                # refuses fetches until cleared.
+                for store in {id(s): s for s in map(_item_store, batch) if s is not None}.values():
+                    store.mark_lost(f"the harvest failed: {exc!r}")
             finally:
                 self._host_s["harvest"] += time.perf_counter() - t0
                 self._host_s["harvest_cpu"] += time.thread_time() - c0
@@ -918,6 +934,14 @@ class CaptureSession:
             stream.store.append_layers(
                 {layer: _joined(rows) for layer, rows in rows_of.items()}, _joined(metas_of),
                 {layer: names[layer] for layer in rows_of}, adopt=True)
+
+
+def _item_store(item) -> StreamStore | None:
+    """The store a harvest item feeds (None: an item that stores nothing)."""
+    if isinstance(item, _Finish):
+        return item.store
+    stream = getattr(item, "stream", None)
+    return None if stream is None else stream.store
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -304,6 +304,8 @@ class StreamStore:
         # selected rows / errors): fetch raises until the stream is cleared.
         self.elided_reqs: set[str] = set()
         self._failed_requests: dict[str, str] = {}
+        # Why rows of this stream never reached the store (a failed harvest); None: none lost.
+        self._lost: str | None = None
         # Live rows per layer: the budget caps each layer at budget_rows,
         # and draining frees room, so it bounds memory, not run length.
         self._layer_rows: dict[int, int] = {}
@@ -408,6 +410,18 @@ class StreamStore:
         with self.lock:
             self._failed_requests[req_id] = str(reason)
             self._discard_request_rows(req_id)
+
+    def mark_lost(self, reason: str) -> None:
+        """Record that rows bound for this store never reached it (which requests' is not
+        known): every fetch raises until the stream is cleared."""
+        with self.lock:
+            self._lost = str(reason)
+
+    def check_servable(self, req_ids: list[str] | None) -> None:
+        """Raise what a fetch of ``req_ids`` (None: all) would raise for failed, elided or
+        lost rows, before the fetch changes anything."""
+        with self.lock:
+            self._check_servable(req_ids)
 
     def mark_elided(self, req_id: str) -> None:
         """Record that a prefix-cache hit skipped rows this request selected.
@@ -1030,6 +1044,11 @@ class StreamStore:
         return [layer for layer in dict.fromkeys(layers) if layer in self.chunks]
 
     def _check_servable(self, req_ids: list[str] | None) -> None:
+        if self._lost is not None:
+            raise RuntimeError(
+                f"rows of this stream were lost before they were stored ({self._lost}), so "
+                "what it holds is incomplete; clear the stream to go on.")
+
         def concerned(req_id: str) -> bool:
             return req_ids is None or any(
                 match_capture_request_id(req_id, wanted) for wanted in req_ids
@@ -1059,13 +1078,16 @@ class StreamStore:
             index for req_id in req_ids for index in self._request_aliases.get(req_id, ())
         }
 
-    def clear(self) -> None:
+    def clear(self, still_failed: Iterable[str] = ()) -> None:
         """Drop every row, error and counter; keep active requests' indices.
 
         Active requests keep their labels because the planner already holds
-        them for rows still to come; finished ones are released.
+        them for rows still to come; finished ones are released. The failures
+        of ``still_failed`` (requests still running, whose rows will not be
+        captured) stay.
         """
         with self.lock:
+            kept = {r: why for r, why in self._failed_requests.items() if r in still_failed}
             self.chunks.clear()
             self._unindexed.clear()
             self.layer_names.clear()
@@ -1078,10 +1100,13 @@ class StreamStore:
             self._blocked[:] = False
             self.elided_reqs.clear()
             self._failed_requests.clear()
+            self._lost = None
             self._ring_dropped = 0
             self._budget_dropped = 0
             self._warned_budget = False
             self._reclaim_requests(set(self._finished))
+            for req_id, why in kept.items():
+                self.fail_request(req_id, why)
 
     def drop_layers(self, layers: list[int]) -> None:
         """Release every row of the given layers (after a layer-wise fetch)."""
@@ -1095,7 +1120,8 @@ class StreamStore:
             self._reclaim_requests(touched)
 
     def status(self) -> dict[str, int]:
-        """Storage counters for the status RPC (msgpack-safe ints)."""
+        """Storage counters for the status RPC (msgpack-safe ints), and why rows were lost
+        (``rows_lost``: None where none were)."""
         with self.lock:
             return {
                 "layers_captured": len(self.chunks),
@@ -1103,6 +1129,7 @@ class StreamStore:
                 "tokens_dropped": self.tokens_dropped,
                 "cache_elided_reqs": len(self.elided_reqs),
                 "failed_reqs": len(self._failed_requests),
+                "rows_lost": self._lost,
                 "requests": len(self.req_table),
                 "bytes_stored": self._bytes_stored,
             }
