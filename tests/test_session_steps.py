@@ -2190,14 +2190,20 @@ def test_reductions_a_failed_fetch_read_are_kept_for_the_next(monkeypatch):
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid])
 
 
-def test_clearing_a_stream_keeps_the_failure_of_a_request_still_running():
+def _second_request_without_a_slot(reduce, b_gen):
+    """One reduce slot: request a takes it in the first step, b fails for want of one."""
     engine = Engine(acc_slots=1)
-    ref = RefStream(HS, 1, reduce="mean")
+    ref = RefStream(HS, 1, reduce=reduce)
     engine.refs = [ref]
-    engine.session.enable_stream(HS, reduce="mean")
+    engine.session.enable_stream(HS, reduce=reduce)
     a = Req(num=0, prompt=[1, 2, 3], gen=[4, 0, 1])
-    b = Req(num=1, prompt=[2, 3], gen=[1, 2, 3])  # no slot left: failed, and it runs on
+    b = Req(num=1, prompt=[2, 3], gen=b_gen)
     engine.step([(a, 3), (b, 2)])
+    return engine, ref, a, b
+
+
+def test_clearing_a_stream_keeps_the_failure_of_a_request_still_running():
+    engine, ref, a, b = _second_request_without_a_slot("mean", [1, 2, 3])  # b runs on
     engine.session.clear_stream(HS)
     for _ in range(3):
         engine.step([(a, 1), (b, 1)])
@@ -2209,13 +2215,7 @@ def test_clearing_a_stream_keeps_the_failure_of_a_request_still_running():
 
 
 def test_a_refused_fetch_leaves_the_running_reductions_as_they_were():
-    engine = Engine(acc_slots=1)
-    ref = RefStream(HS, 1, reduce="last")
-    engine.refs = [ref]
-    engine.session.enable_stream(HS, reduce="last")
-    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 0, 1])
-    b = Req(num=1, prompt=[2, 3], gen=[])  # no slot: failed
-    engine.step([(a, 3), (b, 2)])
+    engine, ref, a, _ = _second_request_without_a_slot("last", [])
     with pytest.raises(RuntimeError, match="failed request"):
         engine.session.fetch_stream(HS)  # refused: a's last goes on
     for _ in range(3):
