@@ -67,7 +67,8 @@ def _parallel_config(**overrides):
         (passes if key in passes else parallel)[key] = overrides.pop(key)
     return SimpleNamespace(speculative_config=speculative,
                            parallel_config=SimpleNamespace(**parallel),
-                           compilation_config=SimpleNamespace(pass_config=SimpleNamespace(**passes)))
+                           compilation_config=SimpleNamespace(
+                               pass_config=SimpleNamespace(**passes)))
 
 
 @pytest.mark.parametrize("setting, named", [

@@ -1274,7 +1274,8 @@ def test_every_sites_buffers_start_16_byte_aligned_and_keep_their_rows(capacity,
     for site in engine.state.sites.values():
         for name in ("ring", "ring_labels", "acc", "acc_labels", "acc_count"):
             t = getattr(site, name)
-            assert t.data_ptr() % 16 == 0 and t.is_contiguous(), (site.component, site.layer_id, name)
+            assert t.data_ptr() % 16 == 0 and t.is_contiguous(), (
+                site.component, site.layer_id, name)
     rows, last = RefStream(HS, acc_slots), RefStream(AH, acc_slots, reduce="last")
     engine.refs = [rows, last]
     engine.session.enable_stream(HS)

@@ -56,9 +56,10 @@ def _capacity(cfg: EngineCaptureConfig, targets, vllm_config) -> int:
 
 def _buffers_do_not_fit(cfg: EngineCaptureConfig, targets, capacity: int) -> str:
     gib = _ring_bytes_per_row(cfg, targets) * capacity / 2**30
-    return (f"vllm-capture: its device rings, {gib:.1f} GiB ({capacity} rows a step at each of {len(targets)} call sites: by default every "
-            f"row of the largest step, max_num_batched_tokens), do not fit beside the model; cap "
-            f"them with capture_buffer_bytes or capture fewer capture_components")
+    return (f"vllm-capture: its device rings, {gib:.1f} GiB ({capacity} rows a step at each of "
+            f"{len(targets)} call sites: by default every row of the largest step, "
+            f"max_num_batched_tokens), do not fit beside the model; cap them with "
+            f"capture_buffer_bytes or capture fewer capture_components")
 
 
 def tp_rank_and_size() -> dict:
