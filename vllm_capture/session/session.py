@@ -786,7 +786,7 @@ class CaptureSession:
                 self._harvest_error = exc
                 # Which of the batch's rows were stored is not known: each stream it fed
                 # refuses fetches until cleared.
-                for store in {id(s): s for s in map(_item_store, batch) if s is not None}.values():
+                for store in {s for s in map(_item_store, batch) if s is not None}:
                     store.mark_lost(f"the harvest failed: {exc!r}")
             finally:
                 self._host_s["harvest"] += time.perf_counter() - t0
