@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from vllm_capture.engine.config import EngineCaptureConfig, engine_kwargs
-from vllm_capture.engine.worker_ext import _buffers_do_not_fit, _capacity, check_supported
+from vllm_capture.engine.worker_ext import (_buffers_do_not_fit, _capacity, _reduce_slots,
+                                            check_supported)
 
 
-def _vllm_config(max_num_batched_tokens: int):
+def _vllm_config(max_num_batched_tokens: int, max_num_seqs: int = 256):
     return SimpleNamespace(scheduler_config=SimpleNamespace(
-        max_num_batched_tokens=max_num_batched_tokens))
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
 
 
 def _targets(widths, dtype=torch.bfloat16):
@@ -39,9 +40,21 @@ def test_byte_budget_sets_rows_per_step_and_warns_when_a_step_does_not_fit(caplo
 def test_rings_that_do_not_fit_are_sized_in_the_error_with_what_caps_them():
     # An 8B's hidden states and attention heads (64 sites 4,096 wide, bf16) at vLLM's default
     # 16,384 tokens a step on an H100 or H200: two slots of (8,192 + 12) bytes a row each.
-    message = _buffers_do_not_fit(EngineCaptureConfig(), _targets([4096] * 64), 16384)
+    # Its 1,024 reduction slots (vLLM's default max_num_seqs there): 64 x (16,384 + 16) bytes each.
+    message = _buffers_do_not_fit(EngineCaptureConfig(), _targets([4096] * 64), 16384, 1024)
     assert "16.0 GiB (16384 rows a step at each of 64 call sites" in message
-    assert "capture_buffer_bytes" in message and "capture_components" in message
+    assert "1024 reduction slots, 1.0 GiB" in message
+    assert all(name in message for name in ("capture_buffer_bytes", "capture_reduce_slots",
+                                            "capture_components"))
+
+
+def test_reduce_slots_default_to_every_request_that_can_run_at_once():
+    # vLLM's default max_num_seqs on an H100 or H200 is 1,024: with fewer slots, the requests of
+    # one generate past them would fail their reduction.
+    assert _reduce_slots(EngineCaptureConfig(), _vllm_config(16384, max_num_seqs=1024)) == 1024
+    # Asked for: kept, beyond max_num_seqs too (room for requests that wait preempted).
+    assert _reduce_slots(EngineCaptureConfig(reduce_slots=8), _vllm_config(512, 64)) == 8
+    assert _reduce_slots(EngineCaptureConfig(reduce_slots=96), _vllm_config(512, 64)) == 96
 
 
 @pytest.mark.parametrize("field,value", [("buffer_bytes", 0), ("buffer_bytes", True),

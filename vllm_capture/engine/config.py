@@ -24,8 +24,9 @@ class EngineCaptureConfig:
     # Device bytes for the ring buffers of all sites together; sets rows per step. None: every
     # site holds all rows of the largest step (max_num_batched_tokens), so no row is dropped.
     buffer_bytes: int | None = None
-    # Requests that can hold a last/mean accumulator at once.
-    reduce_slots: int = 256
+    # Requests that can hold a last/mean accumulator at once. None: max_num_seqs, every request
+    # that can run at once (a request preempted while others run keeps its slot: more give room).
+    reduce_slots: int | None = None
     ring_slots: int = 2
     version: int = field(default=CONFIG_VERSION)
 
@@ -40,7 +41,7 @@ class EngineCaptureConfig:
         object.__setattr__(self, "components", comps)
         for name in ("buffer_bytes", "reduce_slots", "ring_slots"):
             value = getattr(self, name)
-            if name == "buffer_bytes" and value is None:
+            if name != "ring_slots" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -68,7 +69,7 @@ class EngineCaptureConfig:
 
 
 def engine_kwargs(components=COMPONENTS, buffer_bytes: int | None = None,
-                  reduce_slots: int = 256, **llm_kwargs) -> dict:
+                  reduce_slots: int | None = None, **llm_kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` (or ``AsyncEngineArgs``) that make it capture-ready."""
     cfg = EngineCaptureConfig(components, buffer_bytes, reduce_slots)
     additional = dict(llm_kwargs.pop("additional_config", None) or {})

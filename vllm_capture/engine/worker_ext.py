@@ -54,12 +54,24 @@ def _capacity(cfg: EngineCaptureConfig, targets, vllm_config) -> int:
     return capacity
 
 
-def _buffers_do_not_fit(cfg: EngineCaptureConfig, targets, capacity: int) -> str:
-    gib = _ring_bytes_per_row(cfg, targets) * capacity / 2**30
-    return (f"vllm-capture: its device rings, {gib:.1f} GiB ({capacity} rows a step at each of "
-            f"{len(targets)} call sites: by default every row of the largest step, "
-            f"max_num_batched_tokens), do not fit beside the model; cap them with "
-            f"capture_buffer_bytes or capture fewer capture_components")
+def _reduce_slots(cfg: EngineCaptureConfig, vllm_config) -> int:
+    """Accumulator slots for last/mean reductions: as asked, else one per request that can run
+    at once."""
+    if cfg.reduce_slots is not None:
+        return cfg.reduce_slots
+    return int(vllm_config.scheduler_config.max_num_seqs)
+
+
+def _buffers_do_not_fit(cfg: EngineCaptureConfig, targets, capacity: int, slots: int) -> str:
+    ring_gib = _ring_bytes_per_row(cfg, targets) * capacity / 2**30
+    # A slot holds a float32 row, its three labels and its count at each call site.
+    slot_gib = sum(t.width * 4 + 16 for t in targets) * slots / 2**30
+    return (f"vllm-capture: its device rings, {ring_gib:.1f} GiB ({capacity} rows a step at each "
+            f"of {len(targets)} call sites: by default every row of the largest step, "
+            f"max_num_batched_tokens), and its {slots} reduction slots, {slot_gib:.1f} GiB "
+            f"(capture_reduce_slots, max_num_seqs by default), do not fit beside the model; cap "
+            f"them with capture_buffer_bytes and capture_reduce_slots, or capture fewer "
+            f"capture_components")
 
 
 def tp_rank_and_size() -> dict:
@@ -117,15 +129,15 @@ def install(worker) -> CaptureSession | None:
         logger.warning("vllm-capture: %s has no %s call sites (%s); start_capture of that stream "
                        "will fail", type(model).__name__, component, WHERE_SITES_ARE[component])
     device = next(model.parameters()).device
-    max_seqs = int(worker.vllm_config.scheduler_config.max_num_seqs)
     capacity = _capacity(cfg, targets, worker.vllm_config)
+    slots = _reduce_slots(cfg, worker.vllm_config)
     state = CaptureGraphState(device=device, capacity=capacity, ring_slots=cfg.ring_slots,
-                              acc_slots=min(cfg.reduce_slots, max_seqs))
+                              acc_slots=slots)
     instrument(targets, state.add_site)
     try:
         state.allocate()
     except torch.OutOfMemoryError as exc:
-        raise torch.OutOfMemoryError(_buffers_do_not_fit(cfg, targets, capacity)) from exc
+        raise torch.OutOfMemoryError(_buffers_do_not_fit(cfg, targets, capacity, slots)) from exc
     # vLLM sizes the KV cache from memory measured while weights load and during profiling;
     # buffers allocated in between are invisible to it unless counted as model memory.
     if hasattr(runner, "model_memory_usage"):

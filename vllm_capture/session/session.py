@@ -675,8 +675,8 @@ class CaptureSession:
                     st.store.fail_request(
                         req_id, f"more concurrent requests than reduce slots "
                                 f"({self.graph_state.acc_slots}): a request holds one while it "
-                                f"runs or waits preempted, and there are capture reduce_slots of "
-                                f"them, at most max_num_seqs")
+                                f"runs or waits preempted; capture_reduce_slots sets how many "
+                                f"(max_num_seqs by default)")
                     st.closed.add(req_id)
                     continue
                 slot = st.free_slots.pop()
