@@ -523,8 +523,10 @@ class CaptureGraphState:
         for group in self.groups.get(component, ()):
             if not group.enabled:
                 continue
-            acc = group.acc.index_select(0, group.enabled_index).index_select(1, idx)
-            counts = group.acc_count.index_select(0, group.enabled_index).index_select(1, idx)
+            # Slots first: the other order copies every slot of every enabled layer (512 MiB for
+            # an 8B's hidden states at 1,024 slots) to read a few.
+            acc = group.acc.index_select(1, idx).index_select(0, group.enabled_index)
+            counts = group.acc_count.index_select(1, idx).index_select(0, group.enabled_index)
             if mean:
                 acc = acc / counts.clamp(min=1).unsqueeze(2).to(acc.dtype)
             labels = group.acc_labels[group.enabled[0]].index_select(0, idx)
