@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -64,6 +64,21 @@ case "$SET" in
     # session 14; one bf16 step apart at most in session 15, as HF-close as V2's).
     run llama_v1_graph --model llama --mode graph --v1
     compare llama_v1_graph llama --against v2_graph=/tmp/llama_graph.pt
+    ;;
+  aligned)
+    # Ring and slot counts whose rows are not 16-byte multiples (251 tokens a step, 50 slots):
+    # every site's buffers must still start aligned, so no capture kernel compiles inside graph
+    # capture or after load (counted in-process by a Triton compile hook), and the rows are
+    # checked against HF. With PACKAGE_AT=f5caefa, the package before the alignment padding.
+    run llama_aligned --model llama --mode graph --inproc --max-num-seqs 50 --batched-tokens 251
+    python3 -c "import torch; print('compiles', torch.load('/tmp/llama_aligned.pt', weights_only=False).get('capture_kernel_compiles'))"
+    [ -z "${PACKAGE_AT:-}" ] && compare llama_aligned llama
+    ;;
+  stop-token)
+    # Requests that stop on a stop token (async scheduling on, vLLM's GPU default): the rows
+    # each feeds past its output, and capture()'s rows.
+    timeout 200 python3 $G stop-token --report "$OUT/stop_token_report.json" >"$OUT/stop_token.log" 2>&1
+    echo "stop-token rc=$? $(grep -E '^\{' "$OUT/stop_token.log" | tail -1 | cut -c1-500)"
     ;;
   moe)
     # Qwen3-MoE and Mixtral run on the V1 runner; Qwen3-MoE's gate runs inside vLLM's fused-MoE op.

@@ -2087,7 +2087,38 @@ def test_a_drain_gathers_pending_rows_in_the_given_order(tmp_path):
     report = tmp_path / "drain_order.json"
     checks.drain_order_check(Namespace(device="cpu", report=str(report)))
     cases = json.loads(report.read_text())["cases"]
-    assert len(cases) == 4 and all(c["ok"] for c in cases)
+    assert len(cases) == 6 and all(c["ok"] for c in cases)
+    assert [c["direct"] for c in cases].count(True) == 2
+
+
+def test_a_drain_past_gather_bytes_leaves_in_ring_order_and_the_store_orders_it():
+    """Past ``gather_bytes`` a drain takes no device memory: each site's rows are copied as the
+    ring holds them, and the store puts them in request order on the host. Same rows, same
+    budget cut, as a gathered drain."""
+    def run(gather_bytes):
+        engine = Engine()
+        engine.state.drain_bytes = 10**12  # one drain, at the fetch
+        engine.state.gather_bytes = gather_bytes
+        ref = RefStream(HS, 8)
+        engine.refs = [ref]
+        engine.session.enable_stream(HS, budget_rows=9)
+        seen = _spy_drains(engine)
+        a, b = Req(num=0, prompt=[1], gen=[2] * 4), Req(num=1, prompt=[1], gen=[3] * 4)
+        engine.step([(a, 1), (b, 1)])  # registered a, then b; then b runs first
+        while not (a.done and b.done):
+            engine.step([(r, 1) for r in (b, a) if not r.done])
+        # The budget keeps the 9 rows planned first: all but a's last.
+        check_rows(ref, decode_rows(*engine.fetch(HS)),
+                   ref.expected_rows([a.rid, b.rid]) - {(a.rid, 4)})
+        assert engine.session.stream_status(HS)["tokens_dropped"] == 1
+        [(order, drained)] = seen
+        return order, next(iter(drained.layers.values()))[1]
+
+    order, _ = run(10**12)
+    assert order is not None  # put in the store's order on the device
+    order, labels = run(0)
+    assert order is None
+    assert labels[:, 1].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # ring order: the batch's
 
 
 def test_a_budget_keeps_the_earliest_rows_of_a_reordered_drain():

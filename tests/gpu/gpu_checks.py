@@ -55,8 +55,9 @@ def run(args) -> None:
 
     path = build(args.model, Path(args.models) / args.model)
     kwargs = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=args.batched_tokens,
-                  max_num_seqs=64, seed=0, gpu_memory_utilization=0.3,
+                  max_num_seqs=args.max_num_seqs, seed=0, gpu_memory_utilization=0.3,
                   tensor_parallel_size=args.tp)
+    compiles = record_capture_compiles() if args.inproc else None
     if args.mode == "eager":
         kwargs["enforce_eager"] = True
     elif args.mode == "nograph":
@@ -64,6 +65,8 @@ def run(args) -> None:
     t0 = time.time()
     llm = vc.LLM(str(path), **kwargs) if args.capture else __import__("vllm").LLM(str(path), **kwargs)
     init_s = time.time() - t0
+    if compiles is not None:
+        compiles.loaded = True
     prompts = make_prompts(args.prompts)
     # Prompts share prefixes: every row is wanted, so prefix-cache reads must be skipped.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
@@ -160,10 +163,99 @@ def run(args) -> None:
     t = time.time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     result["tok_s_idle"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.time() - t)
+    if compiles is not None:
+        result["capture_kernel_compiles"] = compiles.summary()
     torch.save(result, args.out)
     print(json.dumps({k: v for k, v in result.items() if k not in ("streams", "outputs")}))
     for s, d in result["streams"].items():
         print(s, json.dumps(d["status"]))
+
+
+class CaptureCompiles:
+    """Triton compiles of vllm_capture's kernels in this process, by phase: at load outside and
+    inside CUDA-graph capture, and after load (every variant must be compiled before capture)."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+        self.counts = {"load": 0, "load_in_graph_capture": 0, "after_load": 0}
+        self.after_load: list[str] = []
+
+    def __call__(self, *, fn, repr, **_) -> None:
+        if not fn.module.startswith("vllm_capture"):
+            return
+        if self.loaded:
+            self.counts["after_load"] += 1
+            self.after_load.append(repr[:300])
+        elif torch.cuda.is_current_stream_capturing():
+            self.counts["load_in_graph_capture"] += 1
+            self.after_load.append("in capture: " + repr[:300])
+        else:
+            self.counts["load"] += 1
+
+    def summary(self) -> dict:
+        return {**self.counts, "late": self.after_load[:8]}
+
+
+def record_capture_compiles() -> CaptureCompiles:
+    """Count vllm_capture's Triton compiles from now on (the engine must run in this process)."""
+    from triton import knobs
+
+    hook = CaptureCompiles()
+    knobs.runtime.jit_post_compile_hook = hook
+    return hook
+
+
+def stop_token_check(args) -> None:
+    """Rows of requests that stop on a stop token, against their outputs: how many rows past the
+    output's last fed position each request feeds (with async scheduling, vLLM's GPU default, the
+    README says one: the stop token itself), and that ``capture()`` returns exactly prompt plus
+    ``G - 1`` rows. The stop token is the generated token most requests reach."""
+    from collections import Counter
+
+    import vllm_capture as vc
+    from vllm import SamplingParams
+    from vllm_capture import api
+    from vllm_capture.tiny_models import build
+
+    path = build(args.model, Path(args.models) / args.model)
+    llm = vc.LLM(str(path), dtype="bfloat16", max_model_len=512, max_num_seqs=64, seed=0,
+                 gpu_memory_utilization=0.3)
+    config = llm.llm_engine.vllm_config.scheduler_config
+    prompts = make_prompts(args.prompts)
+    common = dict(max_tokens=args.max_tokens, temperature=0.0, skip_reading_prefix_cache=True)
+    free = llm.generate(prompts, SamplingParams(ignore_eos=True, **common), use_tqdm=False)
+    reached = Counter(t for o in free for t in set(o.outputs[0].token_ids[1:-1]))
+    stop = reached.most_common(1)[0][0]
+    params = SamplingParams(stop_token_ids=[stop], **common)
+    api.start_capture(llm, "hidden_states", layers=[0])
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tensors, meta, _ = api.fetch_captured(llm, "hidden_states")
+    api.stop_capture(llm, "hidden_states")
+    _, gmeta, offsets = api.group_rows(tensors, meta, [o.request_id for o in outs])
+    positions, token_ids = gmeta[0].positions, gmeta[0].token_ids
+    extra = {"stop": Counter(), "length": Counter()}
+    past_rows_ok = True
+    for i, o in enumerate(outs):
+        fed = len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1
+        a, b = offsets[i], offsets[i + 1]
+        reason = "stop" if o.outputs[0].stop_reason == stop else o.outputs[0].finish_reason
+        extra.setdefault(reason, Counter())[b - a - fed] += 1
+        for r in range(a + fed, b):  # each row past the output: position and token it fed
+            k = r - a - fed
+            past_rows_ok &= int(positions[r]) == fed + k
+            past_rows_ok &= k > 0 or int(token_ids[r]) == stop
+    result = vc.capture(llm, prompts, sampling_params=params, layers=[0])
+    capture_rows = Counter(
+        (result.offsets[i + 1] - result.offsets[i])
+        - (len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1)
+        for i, o in enumerate(result.outputs))
+    report = {"async_scheduling": config.async_scheduling, "stop_token": stop,
+              "rows_past_output_by_finish": {k: dict(v) for k, v in extra.items() if v},
+              "rows_past_output_are_stop_token_then_on": past_rows_ok,
+              "capture_rows_past_output": dict(capture_rows)}
+    report["ok"] = past_rows_ok and set(capture_rows) == {0} and set(extra["length"]) <= {0}
+    Path(args.report).write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps(report, default=str))
 
 
 def matched_rows(d: dict, o: dict) -> dict:
@@ -347,8 +439,11 @@ def drain_order_check(args) -> None:
     state.allocate()
     rng = np.random.default_rng(0)
     report = {"device": str(dev), "cases": []}
-    for layers, start, n, ordered in ((None, 0, 50, True), ({0, 2}, 7, 41, True),
-                                      ({1}, 3, 64, False), (None, 64, 64, True)):
+    # direct: past gather_bytes, each site's rows copied from the ring as they are (no order).
+    for layers, start, n, ordered, direct in ((None, 0, 50, True, False), ({0, 2}, 7, 41, True, False),
+                                              ({1}, 3, 64, False, False), (None, 64, 64, True, False),
+                                              (None, 5, 59, False, True), ({0, 2}, 64, 40, False, True)):
+        state.gather_bytes = 0 if direct else 256 << 20
         state.set_enabled("hidden_states", layers)
         [group] = state.groups["hidden_states"]
         group.ring.copy_(torch.randn(group.ring.shape).to(torch.bfloat16))
@@ -356,6 +451,7 @@ def drain_order_check(args) -> None:
         buf = state.streams["hidden_states"]
         buf.pending_start, buf.offset = start, start + n
         order = rng.permutation(n) if ordered else None
+        gathers = state.gathers("hidden_states")
         drained = state.drain("hidden_states", order)
         drained.wait()
         ring, labels = group.ring.cpu(), group.labels.cpu()
@@ -369,8 +465,10 @@ def drain_order_check(args) -> None:
             ok &= torch.equal(got_rows, ring[i, torch.from_numpy(rows)])
             first = group.enabled[0]
             ok &= torch.equal(got_labels, labels[first, torch.from_numpy(rows)])
+        ok &= gathers == (not direct)
         report["cases"].append({"layers": None if layers is None else sorted(layers),
-                                "start": start, "rows": n, "ordered": ordered, "ok": bool(ok)})
+                                "start": start, "rows": n, "ordered": ordered, "direct": direct,
+                                "ok": bool(ok)})
         buf.copies.clear()
         buf.pending_start = buf.offset = 0
     report["ok"] = all(c["ok"] for c in report["cases"])
@@ -391,8 +489,10 @@ def main() -> None:
     r.add_argument("--prompts", type=int, default=48)
     r.add_argument("--max-tokens", type=int, default=16)
     r.add_argument("--batched-tokens", type=int, default=256)
+    r.add_argument("--max-num-seqs", type=int, default=64)
     r.add_argument("--out", required=True)
-    r.add_argument("--inproc", action="store_true", help="run the engine in this process")
+    r.add_argument("--inproc", action="store_true",
+                   help="run the engine in this process (and count the capture kernels' compiles)")
     r.add_argument("--stack-dump-s", type=float, default=0,
                    help="dump every thread's stack and exit after this many seconds")
     c = sub.add_parser("compare")
@@ -411,9 +511,16 @@ def main() -> None:
     o = sub.add_parser("drain-order", help="a drain's gather, ordered and not, no engine")
     o.add_argument("--device", default="cuda")
     o.add_argument("--report", required=True)
+    st = sub.add_parser("stop-token", help="rows of requests that stop on a stop token")
+    st.add_argument("--model", default="llama")
+    st.add_argument("--models", default="/tmp/tiny")
+    st.add_argument("--prompts", type=int, default=48)
+    st.add_argument("--max-tokens", type=int, default=16)
+    st.add_argument("--report", required=True)
     args = p.parse_args()
     {"run": run, "compare": compare, "dtype-drift": dtype_drift,
-     "graph-nodes": graph_nodes_check, "drain-order": drain_order_check}[args.cmd](args)
+     "graph-nodes": graph_nodes_check, "drain-order": drain_order_check,
+     "stop-token": stop_token_check}[args.cmd](args)
 
 
 if __name__ == "__main__":

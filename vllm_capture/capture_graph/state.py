@@ -8,8 +8,9 @@ the host before the forward; the kernels read it from device memory.
 Steps pack their rows one after another into each stream's ring (``ring_slots`` full steps of
 ``capacity`` rows). The host knows every step's row count, so it knows which ring rows hold rows not
 yet copied out, without reading anything back. ``drain`` copies all of them at once: one gather and
-one asynchronous device-to-host copy per ring group, on a side stream ordered by events, returned as
-``DrainedRows`` for the session to hand to the store off the step path. The session drains when
+one asynchronous device-to-host copy per ring group (past ``gather_bytes``, one copy per site and no
+gather), on a side stream ordered by events, returned as ``DrainedRows`` for the session to hand to
+the store off the step path. The session drains when
 ``drain_due`` says the pending rows are worth a copy, when the next step would not fit before the
 ring's end, and before anything reads the store; so a decode step of a few rows costs a plan
 upload, not a copy and a store append.
@@ -128,6 +129,10 @@ class CaptureGraphState:
     # the ring): large enough to amortise a copy and a store append over many decode steps, small
     # enough to keep the pinned staging modest.
     drain_bytes: int = 64 << 20
+    # A drain of more bytes than this copies each site's rows straight from the ring to the host,
+    # in ring order, with no gather: a gather's result is device memory outside vLLM's memory
+    # profile, and one 16,384-token prefill step of an 8B's 32 layers is 4 GiB of it.
+    gather_bytes: int = 256 << 20
     acc_slots: int = 64
     sites: dict[int, Site] = field(default_factory=dict)  # counter.data_ptr() -> Site
     streams: dict[str, StreamPlanBuffers] = field(default_factory=dict)
@@ -426,22 +431,33 @@ class CaptureGraphState:
         if capturing and self.nodes is not None:
             self.nodes.note_launch(counter.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream)
 
+    def gathers(self, component: str) -> bool:
+        """Whether a drain of ``component``'s pending rows gathers them on the device (and so can
+        put them in an order), or copies each site's rows as the ring holds them (``gather_bytes``)."""
+        buf = self.streams[component]
+        return buf.pending_rows * buf.row_bytes <= self.gather_bytes
+
     def drain(self, component: str, order: np.ndarray | None = None) -> DrainedRows | None:
         """Enqueue the copy of every pending ring row of ``component`` to host memory.
 
-        One gather and one device-to-host copy per ring group carry the rows of every enabled
-        layer; the labels are the same for all sites of a stream, so one site's labels travel once.
-        ``order`` (indices into the pending rows) puts them in another order on the device, so the
-        host copy arrives in the order the store keeps.
+        Up to ``gather_bytes``, one gather and one device-to-host copy per ring group carry the
+        rows of every enabled layer, and ``order`` (indices into the pending rows) puts them in
+        another order on the device, so the host copy arrives in the order the store keeps. Past
+        it, each enabled site's rows are copied as they are and ``order`` must be None. The labels
+        are the same for all sites of a stream, so one site's labels travel once.
         """
         buf = self.streams[component]
+        gather = self.gathers(component)
         start, n = buf.pending_start, buf.pending_rows
-        buf.pending_start = buf.offset
         groups = [g for g in self.groups.get(component, ()) if g.enabled]
-        if n == 0 or not groups:
-            return None
         if order is not None and len(order) != n:
             raise ValueError(f"{component}: an order of {len(order)} rows for {n} pending rows")
+        if order is not None and not gather:
+            raise ValueError(f"{component}: {n} pending rows are past gather_bytes and are copied "
+                             f"as the ring holds them, in no other order")
+        buf.pending_start = buf.offset
+        if n == 0 or not groups:
+            return None
         cuda = self.device.type == "cuda"
         # The gathers run on the current stream and only the copies on the copy stream: device
         # work of this process on a second stream left the 8B's decode graph 2.7% slower on the
@@ -453,8 +469,10 @@ class CaptureGraphState:
         for group in groups:
             # [enabled sites, n, width]: only the pending rows of enabled layers, in one gather
             # (its result is the only device memory a drain takes, outside vLLM's memory
-            # profile; a prefill step's drain can be GiBs).
-            if index is None:
+            # profile: at most gather_bytes).
+            if not gather:
+                rows = None  # each site's rows are copied below, from the ring
+            elif index is None:
                 rows = group.ring[:, start:start + n].index_select(0, group.enabled_index)
             else:
                 rows = group.ring[group.enabled_index.unsqueeze(1), index]
@@ -475,7 +493,9 @@ class CaptureGraphState:
                 labels.record_stream(self._copy_stream)
             labels = _to_host(labels, cuda)
             for group, rows in gathered:
-                if cuda:
+                if rows is None:
+                    rows = _sites_to_host(group, start, n, cuda)
+                elif cuda:
                     rows.record_stream(self._copy_stream)
                     rows = _to_host(rows, cuda)  # on the CPU, index_select made ``rows``
                 for k, i in enumerate(group.enabled):
@@ -574,6 +594,16 @@ def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
         return t.clone()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
+    return host
+
+
+def _sites_to_host(group: RingGroup, start: int, n: int, cuda: bool) -> torch.Tensor:
+    """``[enabled sites, n, width]`` on the host: ring rows ``[start, start + n)`` of each enabled
+    site of ``group``, one copy a site from its contiguous rows (no device memory taken)."""
+    host = torch.empty((len(group.enabled), n, group.ring.shape[2]), dtype=group.ring.dtype,
+                       pin_memory=cuda)
+    for k, i in enumerate(group.enabled):
+        host[k].copy_(group.ring[i, start:start + n], non_blocking=cuda)
     return host
 
 

@@ -596,10 +596,15 @@ class CaptureSession:
         # the store keeps the host copy as it is. On the H200 host, copying drained rows into
         # that order on the harvest thread (fresh pages, four threads beside the step path) cost
         # the 1B's 4-layer capture 6% of its throughput (harvest_ablation.py).
-        owners = np.concatenate([step.req_index for step in steps]) if steps else np.zeros(0, np.int64)
-        order = st.store.registration_order(owners)
-        if np.all(order[1:] > order[:-1]):
-            order = None  # already in that order
+        # Past the state's gather_bytes the rows leave as the ring holds them, and the store
+        # puts them in its order on the host (a large drain, rare: a prefill step's, say).
+        order = None
+        if self.graph_state.gathers(st.component):
+            owners = (np.concatenate([step.req_index for step in steps]) if steps
+                      else np.zeros(0, np.int64))
+            order = st.store.registration_order(owners)
+            if np.all(order[1:] > order[:-1]):
+                order = None  # already in that order
         drained = self.graph_state.drain(st.component, order)
         if drained is not None:
             condition, conditions = _merge_conditions(steps)
