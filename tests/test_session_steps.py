@@ -2222,6 +2222,47 @@ def test_reductions_a_failed_fetch_read_are_kept_for_the_next(monkeypatch):
     check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid])
 
 
+def test_reductions_a_fetch_fails_to_store_mark_the_stream_lost(monkeypatch):
+    """A fetch stores the reductions it read on its own thread: if that fails, the slots are
+    already freed, so the stream says its rows were lost and every fetch raises until cleared,
+    rather than the next fetch returning nothing."""
+    engine = Engine(acc_slots=4)
+    engine.session.enable_stream(HS, reduce="last")
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4])
+    engine.step([(a, 3)])
+    engine.step([(a, 1)])
+    engine.step([])  # a finished: its reduction waits in its slot for the fetch
+    _failing_appends(monkeypatch, engine.session._streams[HS].store)
+    with pytest.raises(MemoryError):
+        engine.session.fetch_stream(HS)
+    status = engine.session.stream_status(HS)
+    assert status["meta_complete"] is False and "reductions a fetch read" in status["rows_lost"]
+    with pytest.raises(RuntimeError, match="lost before they were stored"):
+        engine.session.fetch_stream(HS)
+
+
+def test_a_reply_that_fails_to_build_leaves_every_row_for_the_next_fetch():
+    """``build`` (the worker's reply: its shared-memory file, say) runs before a clear removes
+    anything, so a reply that fails leaves the rows, not an empty next fetch."""
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS)
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 5])
+    engine.step([(a, 3)])
+    engine.step([(a, 1)])
+    engine.step([])
+
+    def build(result):
+        assert result  # the rows were there to build from
+        raise MemoryError("no room for the reply file")
+
+    with pytest.raises(MemoryError):
+        engine.session.fetch_stream(HS, clear=True, build=build)
+    assert engine.session.stream_status(HS)["meta_complete"] is True
+    check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([a.rid]))
+
+
 def _second_request_without_a_slot(reduce, b_gen):
     """One reduce slot: request a takes it in the first step, b fails for want of one."""
     engine = Engine(acc_slots=1)

@@ -250,6 +250,32 @@ def test_drain_one_request_leaves_the_others_untouched():
     assert torch.equal(tensors[1], _rows(b, [0], layer=1)[0])
 
 
+def test_a_clear_that_cannot_compact_leaves_chunks_sparse_and_every_layer_cleared(monkeypatch):
+    """Compacting a chunk after a clear only frees memory: without memory for the copy (here the
+    second layer's), the chunk stays sparse, and no layer is left half-cleared."""
+    store = StreamStore(StreamConfig())
+    a, b = store.request_index("a-0123abcd"), store.request_index("b-0123abcd")
+    for layer in range(3):
+        store.append(layer, *_interleaved([(a, 0), (a, 1), (a, 2), (b, 0)], layer), f"l{layer}")
+    real, calls = store_module._take, []
+
+    def take(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(*args)
+
+    monkeypatch.setattr(store_module, "_take", take)
+    labels, _ = _fetch(store, req_ids=["a"], clear_selected=True)
+    assert labels == {layer: [("a-0123abcd", q) for q in range(3)] for layer in range(3)}
+    assert len(calls) == 3  # each layer's chunk was a quarter live: each tried to compact
+    assert _fetch(store, req_ids=["a"]) == ({}, {})
+    labels, tensors = _fetch(store)
+    assert labels == {layer: [("b-0123abcd", 0)] for layer in range(3)}
+    for layer in range(3):
+        assert torch.equal(tensors[layer], _rows(b, [0], layer)[0])
+
+
 def test_rows_are_ordered_by_request_registration_then_append():
     store = StreamStore(StreamConfig(budget_rows=100))
     a, b = store.request_index("a"), store.request_index("b")

@@ -248,22 +248,30 @@ class CaptureWorkerExtension:
         """``bytes_as_text``: the reply crosses JSON (a server's ``/collective_rpc``), so its
         bytes ride as base64 text (``wire.bytes_as_text``)."""
         session = self._capture_session()
-        with torch.inference_mode():
-            data = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids,
-                                        raw_data=True)
-        reply = {**tp_rank_and_size(), "layers": {str(k): v for k, v in data.items()}}
         t0 = time.perf_counter()
         # Rows go through shared memory only when this worker can read the client's probe file.
         shared, owner = shm.worker_sees(shm_probe), shm.client_owner(shm_probe)
-        parts = {"file": time.perf_counter() - t0}  # the probe decides whether there is a file
-        reply = shm.write_reply(reply, shared=shared, owner=owner, parts=parts)
-        session.add_host_time("fetch_write", time.perf_counter() - t0)
-        for part, seconds in parts.items():
-            session.add_host_time(f"fetch_write_{part}", seconds)
+        probe_s = time.perf_counter() - t0
+
+        def build(data):
+            # Called under the store's lock, before a clear removes the fetched rows: a reply
+            # that fails here leaves them stored.
+            reply = {**tp_rank_and_size(), "layers": {str(k): v for k, v in data.items()}}
+            t0 = time.perf_counter()
+            parts = {"file": probe_s}  # the probe decides whether there is a file
+            reply = shm.write_reply(reply, shared=shared, owner=owner, parts=parts)
+            session.add_host_time("fetch_write", time.perf_counter() - t0 + probe_s)
+            for part, seconds in parts.items():
+                session.add_host_time(f"fetch_write_{part}", seconds)
+            return wire.bytes_as_text(reply) if bytes_as_text else reply
+
+        with torch.inference_mode():
+            reply = session.fetch_stream(stream, clear=clear, layers=layers, req_ids=req_ids,
+                                         raw_data=True, build=build)
         # This client's next fetch finds its reply file populated while the rows arrived.
         session.on_stored = (functools.partial(shm.want_spare, owner=owner) if shared and owner
                              else None)
-        return wire.bytes_as_text(reply) if bytes_as_text else reply
+        return reply
 
     @_tagged_errors
     def clear_captured(self, stream: str) -> dict:

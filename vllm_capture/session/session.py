@@ -302,8 +302,11 @@ class CaptureSession:
         self._active_streams = tuple(s for s in self._streams.values() if s is not None)
 
     def fetch_stream(self, stream: str, clear: bool = True, layers: list[int] | None = None,
-                     req_ids: list[str] | None = None, raw_data: bool = False
-                     ) -> dict[int, dict[str, Any]]:
+                     req_ids: list[str] | None = None, raw_data: bool = False,
+                     build: Callable[[dict], Any] | None = None) -> Any:
+        """The stream's rows as ``{layer: wire dict}``, or what ``build`` makes of them: the
+        reply, built before ``clear`` removes any row, so that a reply that fails to build
+        (say, no memory for its file) leaves every row for the next fetch."""
         self._check_stream(stream)
         if not isinstance(clear, bool):
             raise ValueError(f"clear: expected True or False, got {clear!r}")
@@ -325,9 +328,9 @@ class CaptureSession:
         if reduced is not None:
             held.insert(0, reduced)  # before the finish markers held after its rows
         t1 = time.perf_counter()
-        self._drain_all()
-        t_drain = time.perf_counter()
         try:
+            self._drain_all()
+            t_drain = time.perf_counter()
             self._await_harvest()
         except BaseException:
             st.held = held + st.held  # read, slots freed: stored at the next fetch, not lost
@@ -336,22 +339,30 @@ class CaptureSession:
         if held:
             # Stored on this thread, after everything queued before them: handed to the harvest
             # thread, they would cost the same work plus its wake-up and the GIL's hand-overs.
-            self._store_batch(held)
+            try:
+                self._store_batch(held)
+            except BaseException as exc:
+                _mark_lost(held, f"storing the reductions a fetch read failed: {exc!r}")
+                raise
         t2 = time.perf_counter()
-        # Serialize and remove under one store lock: rows the harvest thread appends meanwhile
-        # stay for the next fetch instead of being cleared unseen.
-        result = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear,
-                                    raw_data=raw_data)
+
+        # Serialize, build the reply and remove under one store lock: rows the harvest thread
+        # appends meanwhile stay for the next fetch instead of being cleared unseen.
+        def finish(result):
+            self._host_s["fetch_serialize"] += time.perf_counter() - t2
+            for layer, info in result.items():
+                layout = self._layouts.get(stream, {}).get(layer)
+                if layout:
+                    info["layout"] = dict(layout)
+            return result if build is None else build(result)
+
+        out = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear,
+                                 raw_data=raw_data, build=finish)
         self._host_s["fetch_finalize"] += t1 - t0
         self._host_s["fetch_drain"] += t_drain - t1
         self._host_s["fetch_wait"] += t_store - t_drain
         self._host_s["fetch_store"] += t2 - t_store
-        self._host_s["fetch_serialize"] += time.perf_counter() - t2
-        for layer, info in result.items():
-            layout = self._layouts.get(stream, {}).get(layer)
-            if layout:
-                info["layout"] = dict(layout)
-        return result
+        return out
 
     def add_host_time(self, name: str, seconds: float) -> None:
         """Count ``seconds`` of capture work done outside the session (``host_timers``)."""
@@ -789,10 +800,7 @@ class CaptureSession:
             except BaseException as exc:  # surfaced at the next fetch/status
                 logger.exception("vllm-capture harvest failed")
                 self._harvest_error = exc
-                # Which of the batch's rows were stored is not known: each stream it fed
-                # refuses fetches until cleared.
-                for store in {s for s in map(_item_store, batch) if s is not None}:
-                    store.mark_lost(f"the harvest failed: {exc!r}")
+                _mark_lost(batch, f"the harvest failed: {exc!r}")
             finally:
                 self._host_s["harvest"] += time.perf_counter() - t0
                 self._host_s["harvest_cpu"] += time.thread_time() - c0
@@ -939,6 +947,13 @@ class CaptureSession:
             stream.store.append_layers(
                 {layer: _joined(rows) for layer, rows in rows_of.items()}, _joined(metas_of),
                 {layer: names[layer] for layer in rows_of}, adopt=True)
+
+
+def _mark_lost(batch: list, reason: str) -> None:
+    """After ``batch`` failed to store: which of its rows were stored is not known, so each
+    stream it fed refuses fetches until cleared."""
+    for store in {s for s in map(_item_store, batch) if s is not None}:
+        store.mark_lost(reason)
 
 
 def _item_store(item) -> StreamStore | None:

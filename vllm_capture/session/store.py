@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -926,7 +926,14 @@ class StreamStore:
                 chunk.live_rows, dtype=np.int64
             )
         before = chunk.nbytes
-        chunk.set_rows(_take(chunk.tensor, rows, chunk.tensor.dtype), chunk.meta[rows].copy())
+        try:
+            tensor, meta = _take(chunk.tensor, rows, chunk.tensor.dtype), chunk.meta[rows].copy()
+        except (MemoryError, RuntimeError):
+            # Compacting only frees memory; failing part-way through a clear would leave some
+            # layers cleared and others not. Without room for the copy, the chunk stays sparse.
+            logger.warning("vllm-capture: no host memory to compact a chunk; it stays sparse")
+            return
+        chunk.set_rows(tensor, meta)
         chunk.reqs, chunk.starts, chunk.lens = chunk.reqs[slots], starts, lens
         chunk.live = np.ones(slots.size, dtype=bool)
         self._bytes_stored += chunk.nbytes - before
@@ -945,7 +952,8 @@ class StreamStore:
         req_ids: list[str] | None = None,
         clear_selected: bool = False,
         raw_data: bool = False,
-    ) -> dict[int, dict[str, Any]]:
+        build: Callable[[dict[int, dict[str, Any]]], Any] | None = None,
+    ) -> Any:
         """Pack the selected rows as ``{layer_id: wire dict}``.
 
         With ``raw_data`` each ``"data"`` is a ``FetchedRows`` instead of bytes:
@@ -962,6 +970,10 @@ class StreamStore:
         registered with ``request_index``, and each request's rows in append
         order — so a request's rows are contiguous and position-ordered for
         an ordinary generation.
+
+        ``build``, when given, makes what is returned from that dict (the
+        worker's reply, its rows copied out), under the lock and before
+        ``clear_selected`` removes anything: if it raises, every row stays.
         """
         check_fetch_filters(layers, req_ids)
         with self.lock:
@@ -1007,6 +1019,9 @@ class StreamStore:
                     self.layer_names[layer_id],
                 )
                 emitted.append((layer_id, plan, whole))
+            # The reply is built (copied into its file or bytes) before any row leaves: a failure
+            # there raises with every row still stored.
+            out = result if build is None else build(result)
             if clear_selected:
                 touched: set[int] = set()
                 for layer_id, plan, whole in emitted:
@@ -1018,7 +1033,7 @@ class StreamStore:
                         touched.update(whole[1].reqs.tolist())
                         self._drop_whole_layer(layer_id, *whole)
                 self._reclaim_requests(touched)
-            return result
+            return out
 
     def _whole_layer(self, layer_id: int) -> tuple[int, _Chunk] | None:
         """``(chunk id, chunk)`` when the layer is one chunk whose rows are all live."""
