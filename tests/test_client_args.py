@@ -81,9 +81,11 @@ def test_capture_batches_reads_an_iterator_of_selections_once(monkeypatch):
     monkeypatch.setattr(vc.api, "_run", lambda llm, checked: seen.append(checked) or len(
         checked.prompts))
     selects = (vc.SelectSpec(prompt_positions=(i,)) for i in range(5))
-    batches = list(vc.capture_batches(_NoEngine(), list("abcde"), batch_size=2,
+    llm = _EncodingEngine({"tp_rank": 0, "enabled": False})
+    batches = list(vc.capture_batches(llm, list("abcde"), batch_size=2,
                                       per_prompt_selects=selects, max_tokens=3))
     assert batches == [2, 2, 1]
+    assert [method for method, _ in llm.calls] == ["capture_status"]  # is the stream off?
     assert [c.prompts for c in seen] == [["a", "b"], ["c", "d"], ["e"]]
     wires = [p.extra_args["capture"][vc.HIDDEN_STATES] for c in seen for p in c.params]
     assert wires == [vc.SelectSpec(prompt_positions=(i,)).to_wire() for i in range(5)]
@@ -103,6 +105,15 @@ def test_capture_batches_reads_an_iterator_of_selections_once(monkeypatch):
 def test_capture_batches_checks_every_argument_before_the_first_batch(kwargs, message):
     with pytest.raises(ValueError, match=message):
         vc.capture_batches(_NoEngine(), ["a", "b", "c"], batch_size=1, **kwargs)
+
+
+@pytest.mark.parametrize("call", [vc.capture, vc.capture_batches])
+def test_capture_refuses_a_stream_that_is_already_on(call):
+    """Starting it afresh would drop the rows it holds: capture() refuses before any request."""
+    llm = _EncodingEngine({"tp_rank": 0, "enabled": True, "tokens_stored": 12})
+    with pytest.raises(RuntimeError, match="'attention_heads' is already on .*stop_capture"):
+        call(llm, ["a"], stream=vc.ATTENTION_HEADS)
+    assert [method for method, _ in llm.calls] == ["capture_status"]
 
 
 def test_an_engine_without_the_worker_extension_is_named_as_such():

@@ -538,6 +538,10 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
                               "select": spec.to_wire() if spec is not None else None,
                               "budget_rows": budget_rows}
     StreamConfig(**config)
+    if capture_status(llm, stream)["enabled"]:
+        # Starting it afresh would drop what it holds, uncounted.
+        raise RuntimeError(f"stream {stream!r} is already on (start_capture): capture() starts and "
+                           f"stops it itself; fetch_captured and stop_capture it first")
     return _Checked(stream, prompts, params, config, use_tqdm)
 
 
