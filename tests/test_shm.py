@@ -666,6 +666,20 @@ def test_reply_files_are_named_for_the_client_that_fetches():
     assert pooled.startswith(f"{shm.FREE}{os.getpid()}-")
 
 
+def test_a_claimed_pooled_file_is_dated_now_so_no_sweep_takes_it_for_abandoned():
+    probe = shm.client_probe()
+    reply = shm.write_reply(_reply(_store()), owner=shm.client_owner(probe))
+    shm.read_replies([reply])
+    del reply
+    gc.collect()
+    [pooled] = _pool()
+    os.utime(os.path.join(shm.SHM_DIR, pooled), (0, 0))  # released long ago
+    reply = shm.write_reply(_reply(_store(seed=1)), owner=shm.client_owner(probe))
+    assert _pool() == []  # the pooled file serves this reply
+    assert time.time() - os.stat(reply["shm_path"]).st_mtime < shm.SWEEP_AGE_S / 6
+    shm.read_replies([reply])
+
+
 def test_the_files_of_a_gone_client_are_deleted_at_a_clients_fetch_once_a_minute(monkeypatch):
     monkeypatch.setattr(shm, "_last_sweep", float("-inf"))
     gone, live = _gone_pid(), os.getpid()

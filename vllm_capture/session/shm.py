@@ -708,6 +708,9 @@ def _claim_pooled(total: int, prefix: str) -> str | None:
         claimed = os.path.join(SHM_DIR, prefix + secrets.token_hex(8))
         try:
             os.rename(path, claimed)
+            # A rename keeps the time of the file's last release: a sweep from a client that
+            # cannot see this one's pid (another pid namespace) would take it for abandoned.
+            os.utime(claimed)
         except OSError:
             continue  # another worker took it
         return claimed
