@@ -389,6 +389,17 @@ def test_a_store_holding_adopt_bytes_copies_what_it_is_handed(monkeypatch):
     assert _fetch(store)[0][1] == [("a", 7), ("b", 9)]
 
 
+def test_an_empty_store_copies_an_append_larger_than_adopt_bytes(monkeypatch):
+    """Adopted rows stay in pinned memory: a first append past ADOPT_BYTES (a whole prefill
+    step's drain, GiBs) is copied to pageable memory like any past the bound."""
+    store = StreamStore(StreamConfig(budget_rows=10))
+    monkeypatch.setattr(store_module, "ADOPT_BYTES", 2 * 2 * WIDTH * 4 - 1)  # under the 2 layers
+    block = _fill_two_layers(store, True)
+    kept = {t.data_ptr() for layer in (0, 1) for t in _adopted(store, layer)}
+    assert not kept & {block[0].data_ptr(), block[1].data_ptr()}
+    assert _fetch(store)[0][1] == [("a", 7), ("b", 9)]
+
+
 @pytest.mark.parametrize("why", ["reordered", "cast", "budget", "failed request"])
 def test_adopt_still_copies_rows_it_cannot_keep_as_they_are(why):
     store = StreamStore(StreamConfig(budget_rows=1 if why == "budget" else 10,

@@ -535,7 +535,8 @@ class StreamStore:
                     layouts[keep] = self._chunk_layout(labels, unblocked, keep, arrival)
                 dtype = tensor.dtype if self.config.dtype is None else self.config.dtype
                 takes.append((layer_id, tensor.detach(), layouts[keep], dtype))
-            adopt = adopt and self._bytes_stored < ADOPT_BYTES
+            incoming = sum(source.nbytes for _, source, _, _ in takes)
+            adopt = adopt and self._bytes_stored + incoming <= ADOPT_BYTES
             copies = _copy_all([(source, layout[0], dtype) for _, source, layout, dtype in takes],
                                adopt)
             for (layer_id, _, layout, dtype), copy in zip(takes, copies):
