@@ -2263,6 +2263,55 @@ def test_a_reply_that_fails_to_build_leaves_every_row_for_the_next_fetch():
     check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([a.rid]))
 
 
+@pytest.mark.parametrize("enabled", [False, True])
+def test_the_workers_fetch_reply_is_one_the_client_joins(enabled):
+    """The worker's fetch RPC on this session, with a stream off (an empty reply, not a bare
+    dict) and on, through shared memory: ``join_shards`` takes the reply as from a real engine."""
+    from vllm_capture import api
+    from vllm_capture.engine.worker_ext import CaptureWorkerExtension
+    from vllm_capture.session import shm
+
+    engine = Engine()
+    ref = RefStream(HS, 8)
+    engine.refs = [ref]
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 5])
+    if enabled:
+        engine.session.enable_stream(HS)
+    engine.step([(a, 3)])
+    engine.step([(a, 1)])
+    engine.step([])
+    worker = CaptureWorkerExtension.__new__(CaptureWorkerExtension)
+    worker._capture_session = lambda: engine.session
+    reply = worker.fetch_captured(HS, shm_probe=shm.client_probe())
+    tensors, meta, _ = api.join_shards(HS, shm.read_replies([reply]))
+    if enabled:
+        check_rows(ref, decode_rows(tensors, meta), ref.expected_rows([a.rid]))
+    else:
+        assert tensors == {}
+
+
+def test_a_drain_that_fails_marks_its_stream_lost(monkeypatch):
+    """The rows of a failed drain (no pinned memory for them, say) left the planner's books:
+    the stream says so, and fetches raise, rather than returning what the other drains held."""
+    engine = Engine()
+    engine.state.drain_bytes = 1  # a drain every step
+    engine.session.enable_stream(HS)
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 5])
+    engine.step([(a, 3)])
+
+    def drain(*args):
+        raise MemoryError("no pinned memory")
+
+    monkeypatch.setattr(engine.state, "drain", drain)
+    with pytest.raises(MemoryError):
+        engine.step([(a, 1)])
+    monkeypatch.undo()
+    status = engine.session.stream_status(HS)
+    assert status["meta_complete"] is False and "drain of the device ring" in status["rows_lost"]
+    with pytest.raises(RuntimeError, match="lost before they were stored"):
+        engine.session.fetch_stream(HS)
+
+
 def _second_request_without_a_slot(reduce, b_gen):
     """One reduce slot: request a takes it in the first step, b fails for want of one."""
     engine = Engine(acc_slots=1)

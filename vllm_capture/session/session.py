@@ -313,7 +313,7 @@ class CaptureSession:
         check_fetch_filters(layers, req_ids)  # before the fetch closes any open reduction
         st = self._streams[stream]
         if st is None:
-            return {}
+            return {} if build is None else build({})
         t0 = time.perf_counter()
         # A fetch that will be refused changes nothing: no reduction is cut for it.
         st.store.check_servable(req_ids)
@@ -348,13 +348,20 @@ class CaptureSession:
 
         # Serialize, build the reply and remove under one store lock: rows the harvest thread
         # appends meanwhile stay for the next fetch instead of being cleared unseen.
+        build_s = [0.0]  # the reply's own timers count its building
+
         def finish(result):
-            self._host_s["fetch_serialize"] += time.perf_counter() - t2
             for layer, info in result.items():
                 layout = self._layouts.get(stream, {}).get(layer)
                 if layout:
                     info["layout"] = dict(layout)
-            return result if build is None else build(result)
+            if build is None:
+                return result
+            started = time.perf_counter()
+            try:
+                return build(result)
+            finally:
+                build_s[0] = time.perf_counter() - started
 
         out = st.store.serialize(layers=layers, req_ids=req_ids, clear_selected=clear,
                                  raw_data=raw_data, build=finish)
@@ -362,6 +369,7 @@ class CaptureSession:
         self._host_s["fetch_drain"] += t_drain - t1
         self._host_s["fetch_wait"] += t_store - t_drain
         self._host_s["fetch_store"] += t2 - t_store
+        self._host_s["fetch_serialize"] += time.perf_counter() - t2 - build_s[0]
         return out
 
     def add_host_time(self, name: str, seconds: float) -> None:
@@ -616,7 +624,11 @@ class CaptureSession:
             order = st.store.registration_order(owners)
             if np.all(order[1:] > order[:-1]):
                 order = None  # already in that order
-        drained = self.graph_state.drain(st.component, order)
+        try:
+            drained = self.graph_state.drain(st.component, order)
+        except BaseException as exc:  # say, no pinned memory for a prefill step's rows
+            st.store.mark_lost(f"a drain of the device ring failed: {exc!r}")
+            raise
         if drained is not None:
             condition, conditions = _merge_conditions(steps)
             if condition is not None and order is not None:

@@ -920,14 +920,14 @@ class StreamStore:
         starts = np.cumsum(lens) - lens
         first = int(chunk.starts[slots[0]])
         rows: np.ndarray | slice
-        if int(chunk.starts[slots[-1]] + lens[-1]) - first == chunk.live_rows:
-            rows = slice(first, first + chunk.live_rows)  # one run of rows
-        else:
-            rows = np.repeat(chunk.starts[slots] - starts, lens) + np.arange(
-                chunk.live_rows, dtype=np.int64
-            )
         before = chunk.nbytes
         try:
+            if int(chunk.starts[slots[-1]] + lens[-1]) - first == chunk.live_rows:
+                rows = slice(first, first + chunk.live_rows)  # one run of rows
+            else:
+                rows = np.repeat(chunk.starts[slots] - starts, lens) + np.arange(
+                    chunk.live_rows, dtype=np.int64
+                )
             tensor, meta = _take(chunk.tensor, rows, chunk.tensor.dtype), chunk.meta[rows].copy()
         except (MemoryError, RuntimeError):
             # Compacting only frees memory; failing part-way through a clear would leave some
