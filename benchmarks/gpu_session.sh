@@ -71,7 +71,9 @@ case "$SET" in
     # capture or after load (counted in-process by a Triton compile hook), and the rows are
     # checked against HF. With PACKAGE_AT=f5caefa, the package before the alignment padding.
     run llama_aligned --model llama --mode graph --inproc --max-num-seqs 50 --batched-tokens 251
-    python3 -c "import torch; print('compiles', torch.load('/tmp/llama_aligned.pt', weights_only=False).get('capture_kernel_compiles'))"
+    python3 -c "
+import torch; c = torch.load('/tmp/llama_aligned.pt', weights_only=False)['capture_kernel_compiles']
+print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 0 else 'FAIL')"
     [ -z "${PACKAGE_AT:-}" ] && compare llama_aligned llama
     ;;
   stop-token)

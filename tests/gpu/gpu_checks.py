@@ -233,17 +233,20 @@ def stop_token_check(args) -> None:
     api.stop_capture(llm, "hidden_states")
     _, gmeta, offsets = api.group_rows(tensors, meta, [o.request_id for o in outs])
     positions, token_ids = gmeta[0].positions, gmeta[0].token_ids
-    extra = {"stop": Counter(), "length": Counter()}
+    extra = {"stop_token": Counter(), "eos": Counter(), "length": Counter()}
     past_rows_ok = True
     for i, o in enumerate(outs):
-        fed = len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1
+        out = o.outputs[0]
+        fed = len(o.prompt_token_ids) + len(out.token_ids) - 1
         a, b = offsets[i], offsets[i + 1]
-        reason = "stop" if o.outputs[0].stop_reason == stop else o.outputs[0].finish_reason
+        # vLLM's stop_reason: the stop token's id, or None for an end-of-sequence token.
+        reason = ("stop_token" if out.stop_reason == stop
+                  else "eos" if out.finish_reason == "stop" else out.finish_reason)
         extra.setdefault(reason, Counter())[b - a - fed] += 1
         for r in range(a + fed, b):  # each row past the output: position and token it fed
             k = r - a - fed
             past_rows_ok &= int(positions[r]) == fed + k
-            past_rows_ok &= k > 0 or int(token_ids[r]) == stop
+            past_rows_ok &= k > 0 or int(token_ids[r]) == out.token_ids[-1]
     result = vc.capture(llm, prompts, sampling_params=params, layers=[0])
     capture_rows = Counter(
         (result.offsets[i + 1] - result.offsets[i])
