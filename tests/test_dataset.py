@@ -94,7 +94,9 @@ def fake_capture(llm, prompts, *, stream, max_tokens=1, layers=None, dtype=None,
             for layer in layers:
                 rows[layer].append(expected_row(text, p, layer, stream))
         offsets.append(len(positions))
-        outputs.append(SimpleNamespace(request_id=str(i), prompt_token_ids=toks[:plen]))
+        generated = [_token(f"gen{g}") for g in range(max_tokens)]  # the last is never fed
+        outputs.append(SimpleNamespace(request_id=str(i), prompt_token_ids=toks[:plen],
+                                       outputs=[SimpleNamespace(token_ids=generated)]))
     tensors, meta = {}, {}
     for layer in layers:
         t = (torch.stack(rows[layer]) if rows[layer]
@@ -335,6 +337,41 @@ def test_prompt_files_split_on_newlines_only(tmp_path):
 
 class Interrupt(RuntimeError):
     pass
+
+
+def diverging_capture(batch: int, prompt: int, token_index: int):
+    """fake_capture whose attention_heads generate of one batch decodes another token for one
+    of its prompts."""
+    batches = []
+
+    def capture(llm, prompts, *, stream, **kwargs):
+        result = fake_capture(llm, prompts, stream=stream, **kwargs)
+        if stream == "attention_heads":
+            batches.append(prompts)
+        if stream == "attention_heads" and len(batches) == batch + 1:
+            out = result.outputs[prompt].outputs[0]
+            out.token_ids = list(out.token_ids)
+            out.token_ids[token_index] += 1
+        return result
+
+    return capture
+
+
+def test_components_that_fed_different_tokens_stop_the_run_before_their_batch(tmp_path,
+                                                                            monkeypatch):
+    """Each component has a generate of its own: if two fed other tokens, their rows would be of
+    different sequences. The run stops before storing that batch; the batches before it stay."""
+    monkeypatch.setattr(api, "capture", diverging_capture(batch=1, prompt=1, token_index=0))
+    out = tmp_path / "ds"
+    # Batches of 3, a shard each: prompt 4 (the second batch's second) diverges.
+    with pytest.raises(DatasetError, match="prompt 4: the generate for attention_heads fed other"):
+        run(out, batch_size=3, shard_rows=1)
+    assert [s["prompt_end"] for s in load_dataset(out, verify=True).shards] == [3]
+
+
+def test_components_may_differ_in_the_last_token_which_is_never_fed(tmp_path, monkeypatch):
+    monkeypatch.setattr(api, "capture", diverging_capture(batch=1, prompt=1, token_index=-1))
+    assert run(tmp_path / "ds")["prompts"] == len(PROMPTS)
 
 
 def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):

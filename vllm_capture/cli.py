@@ -465,6 +465,23 @@ def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
     return manifest
 
 
+def check_same_sequences(results: dict, first_prompt: int) -> None:
+    """DatasetError unless every component's generate of a batch fed the same tokens.
+
+    Each component is captured by a generate of its own; greedy decoding can still pick other
+    tokens in another run (other batching, prefix-cache hits), and then the components' rows
+    would be of different sequences. The last generated token is never fed, so it may differ."""
+    (first, base), *others = results.items()
+    fed = [list(o.outputs[0].token_ids[:-1]) for o in base.outputs]
+    for c, result in others:
+        for i, o in enumerate(result.outputs):
+            if list(o.outputs[0].token_ids[:-1]) != fed[i]:
+                raise DatasetError(
+                    f"prompt {first_prompt + i}: the generate for {c} fed other tokens than the "
+                    f"one for {first}, so their rows would be of different sequences; extract one "
+                    f"component per run, or use --max-tokens 1 (no generated rows)")
+
+
 def _create_folders(out: Path) -> list[Path]:
     """Create the folder ``out`` and the parents it lacks; the folders made, the deepest first.
     UsageError (nothing left made) where it cannot be created: tried for real, as permission
@@ -882,10 +899,12 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
         for b0 in range(start, len(prompts), batch_size):
             b1 = min(b0 + batch_size, len(prompts))
             per_prompt = [p.select for p in prompts[b0:b1]] if has_own else None
-            for c in components:
-                result = capture(llm, texts[b0:b1], stream=c, max_tokens=max_tokens,
-                                 layers=layer_map[c], dtype=storage, select=spec,
-                                 per_prompt_selects=per_prompt)
+            results = {c: capture(llm, texts[b0:b1], stream=c, max_tokens=max_tokens,
+                                  layers=layer_map[c], dtype=storage, select=spec,
+                                  per_prompt_selects=per_prompt)
+                       for c in components}
+            check_same_sequences(results, b0)
+            for c, result in results.items():
                 for layer, t in result.layers.items():
                     check_batch_dtype(manifest, c, layer, dtype_name(t.dtype), (b0, b1))
                     if layer in widths[c]:
