@@ -369,6 +369,41 @@ def test_components_that_fed_different_tokens_stop_the_run_before_their_batch(tm
     assert [s["prompt_end"] for s in load_dataset(out, verify=True).shards] == [3]
 
 
+def relabelled_capture(target: str, column: str, change):
+    """fake_capture whose rows of ``target`` carry other labels in ``column`` (a writer's bug)."""
+
+    def capture(llm, prompts, *, stream, **kwargs):
+        result = fake_capture(llm, prompts, stream=stream, **kwargs)
+        if stream == target:
+            for meta in result._meta.values():
+                setattr(meta, column, change(getattr(meta, column).clone()))
+        return result
+
+    return capture
+
+
+def _moved_last(positions):
+    positions[-1] += 1000
+    return positions
+
+
+@pytest.mark.parametrize("stream, column, change, message", [
+    ("attention_heads", "token_ids", lambda t: t + 1, "label columns differ from hidden_states"),
+    ("hidden_states", "token_ids", lambda t: t - 10**6, "token_id below 0"),
+    ("hidden_states", "positions", lambda t: t.flip(0), "out of order within a prompt"),
+    ("hidden_states", "positions", _moved_last, "outside its prompt and generated tokens"),
+])
+def test_verify_checks_positions_token_ids_and_that_components_agree(tmp_path, monkeypatch,
+                                                                     stream, column, change,
+                                                                     message):
+    monkeypatch.setattr(api, "capture", relabelled_capture(stream, column, change))
+    out = tmp_path / "ds"
+    run(out, prompts=PROMPTS[:1])
+    load_dataset(out).close()  # hashes and sizes agree: only the label checks see it
+    with pytest.raises(DatasetError, match=message):
+        load_dataset(out, verify=True)
+
+
 def test_components_may_differ_in_the_last_token_which_is_never_fed(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "capture", diverging_capture(batch=1, prompt=1, token_index=-1))
     assert run(tmp_path / "ds")["prompts"] == len(PROMPTS)

@@ -458,6 +458,12 @@ class CaptureDataset:
             if got[0] != shape or (dtype is not None and shape[0] and got[1] != dtype):
                 raise DatasetError(f"{where}: {name} is {got[1]} {got[0]}, the manifest says "
                                    f"{dtype} {shape}")
+        lengths = f.get_tensor(PROMPT_LENGTH).numpy().astype(np.int64)
+        if (lengths < 1).any():
+            raise DatasetError(f"{where}: a prompt_length below 1")
+        # A prompt of n tokens and G generated feeds positions 0 .. n + G - 2.
+        fed = int(self.manifest["run"].get("max_tokens", 1)) - 1
+        first_labels = None
         for component in self.components:
             labels = self._shard_labels(entry, component)
             index = labels["prompt_index"]
@@ -465,6 +471,20 @@ class CaptureDataset:
                     np.array_equal(labels["request_id"], index)):
                 raise DatasetError(f"{where}: {component}: prompt_index or request_id out of "
                                    f"the shard's prompts [{start}, {end}) or out of order")
+            position = labels["position"].astype(np.int64)
+            same_prompt = np.diff(index) == 0
+            if ((position < 0) | (position >= lengths[index - start] + fed)).any() or (
+                    np.diff(position)[same_prompt] <= 0).any():
+                raise DatasetError(f"{where}: {component}: a position outside its prompt and "
+                                   f"generated tokens, or out of order within a prompt")
+            if (labels["token_id"] < 0).any():
+                raise DatasetError(f"{where}: {component}: a token_id below 0")
+            # Every component holds the rows of the same positions of the same sequences.
+            if first_labels is None:
+                first_labels = (component, labels)
+            elif any(not np.array_equal(labels[c], first_labels[1][c]) for c in LABEL_COLUMNS):
+                raise DatasetError(f"{where}: {component}'s label columns differ from "
+                                   f"{first_labels[0]}'s")
 
     def _verify_prompts(self) -> None:
         records = self.prompts
