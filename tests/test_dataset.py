@@ -218,6 +218,12 @@ def test_lazy_access_by_prompt_position_and_id(tmp_path):
     for bad in ([2.7], [True], ["2"]):
         with pytest.raises(TypeError, match="positions"):
             ds.rows("hidden_states", 0, positions=bad)
+    for bad in (-1, [3, -1]):  # positions are absolute: a negative one would match nothing
+        with pytest.raises(ValueError, match="positions: expected values >= 0"):
+            ds.rows("hidden_states", 0, positions=bad)
+    for bad in (1.9, True, "1"):  # not truncated or coerced to layer 1
+        with pytest.raises(TypeError, match="layer: expected an int"):
+            ds.rows("hidden_states", bad)
 
 
 def test_verify_detects_tampered_and_missing_shards(tmp_path):

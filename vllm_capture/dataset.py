@@ -268,13 +268,16 @@ def _check_fields(manifest: dict, where: str) -> None:
 
 def _as_index_set(values, name: str) -> np.ndarray:
     if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
-        return np.array([int(values)], dtype=np.int64)
-    try:
-        arr = np.array(list(values))
-    except TypeError:
-        arr = None
-    if arr is None or (arr.size and arr.dtype.kind not in "iu"):
-        raise TypeError(f"{name}: expected an int or an iterable of ints, got {values!r}")
+        arr = np.array([int(values)], dtype=np.int64)
+    else:
+        try:
+            arr = np.array(list(values))
+        except TypeError:
+            arr = None
+        if arr is None or (arr.size and arr.dtype.kind not in "iu"):
+            raise TypeError(f"{name}: expected an int or an iterable of ints, got {values!r}")
+    if (arr < 0).any():  # positions count from 0: a negative one would match nothing
+        raise ValueError(f"{name}: expected values >= 0, got {values!r}")
     return arr.astype(np.int64)
 
 
@@ -499,6 +502,8 @@ class CaptureDataset:
     # ---- access ----------------------------------------------------------------------------
 
     def _check_layer(self, component: str, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer: expected an int, got {layer!r}")
         if int(layer) not in self.layers(component):
             raise KeyError(f"{component}: layer {layer} is not in this dataset "
                            f"(layers {self.layers(component)})")
