@@ -226,6 +226,18 @@ def test_lazy_access_by_prompt_position_and_id(tmp_path):
             ds.rows("hidden_states", bad)
 
 
+@pytest.mark.parametrize("line, message", [("{not json", "not JSON"),
+                                           ('{"id": "a"}', "not a prompt record")])
+def test_a_damaged_prompts_file_is_named_with_its_line(tmp_path, line, message):
+    out = tmp_path / "ds"
+    run(out, prompts=PROMPTS[:2])
+    path = out / "prompts.jsonl"
+    first, *rest = path.read_text().splitlines()
+    path.write_text("\n".join([first, line, *rest[1:]]) + "\n")
+    with pytest.raises(DatasetError, match=f"prompts.jsonl:2: {message}"):
+        load_dataset(out, verify=True)
+
+
 def test_verify_detects_tampered_and_missing_shards(tmp_path):
     out = tmp_path / "ds"
     run(out)

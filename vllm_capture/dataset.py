@@ -386,8 +386,20 @@ class CaptureDataset:
             path = self.path / PROMPTS_FILE
             if not path.is_file():
                 raise DatasetError(f"{self.path}: {PROMPTS_FILE} is missing")
+            records = []
             with open(path, encoding="utf-8") as f:
-                self._prompts = [json.loads(line) for line in f if line.strip()]
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise DatasetError(f"{path}:{number}: not JSON ({exc})") from None
+                    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                        raise DatasetError(f"{path}:{number}: not a prompt record (an object "
+                                           f"with a \"prompt\" string)")
+                    records.append(record)
+            self._prompts = records
         return self._prompts
 
     @property
