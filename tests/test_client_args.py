@@ -116,6 +116,15 @@ def test_capture_refuses_a_stream_that_is_already_on(call):
     assert [method for method, _ in llm.calls] == ["capture_status"]
 
 
+def test_capture_streams_checks_every_stream_before_starting_any():
+    llm = _EncodingEngine({"tp_rank": 0, "enabled": False})
+    with pytest.raises(ValueError, match="^stream: unknown 'nonsense'"):
+        vc.capture_streams(llm, ["a"], {vc.HIDDEN_STATES: None, "nonsense": None})
+    with pytest.raises(ValueError, match="^layers: name at least one stream"):
+        vc.capture_streams(llm, ["a"], {})
+    assert [method for method, _ in llm.calls] == ["capture_status"]  # nothing started
+
+
 def test_an_engine_without_the_worker_extension_is_named_as_such():
     class _Plain:
         def collective_rpc(self, method, args=()):

@@ -94,9 +94,7 @@ def fake_capture(llm, prompts, *, stream, max_tokens=1, layers=None, dtype=None,
             for layer in layers:
                 rows[layer].append(expected_row(text, p, layer, stream))
         offsets.append(len(positions))
-        generated = [_token(f"gen{g}") for g in range(max_tokens)]  # the last is never fed
-        outputs.append(SimpleNamespace(request_id=str(i), prompt_token_ids=toks[:plen],
-                                       outputs=[SimpleNamespace(token_ids=generated)]))
+        outputs.append(SimpleNamespace(request_id=str(i), prompt_token_ids=toks[:plen]))
     tensors, meta = {}, {}
     for layer in layers:
         t = (torch.stack(rows[layer]) if rows[layer]
@@ -116,9 +114,16 @@ def fake_status(llm, stream="hidden_states"):
     return {"layouts": {layer: {"width": WIDTH[stream]} for layer in range(NUM_LAYERS)}}
 
 
+def streams_through_capture(llm, prompts, layers, **kwargs):
+    """``capture_streams`` as one fake ``capture()`` a stream, whichever ``api.capture`` is."""
+    return {c: api.capture(llm, prompts, stream=c, layers=stream_layers, **kwargs)
+            for c, stream_layers in layers.items()}
+
+
 @pytest.fixture(autouse=True)
 def fake_engine_api(monkeypatch):
     monkeypatch.setattr(api, "capture", fake_capture)
+    monkeypatch.setattr(api, "capture_streams", streams_through_capture)
     monkeypatch.setattr(api, "capture_status", fake_status)
 
 
@@ -357,36 +362,6 @@ class Interrupt(RuntimeError):
     pass
 
 
-def diverging_capture(batch: int, prompt: int, token_index: int):
-    """fake_capture whose attention_heads generate of one batch decodes another token for one
-    of its prompts."""
-    batches = []
-
-    def capture(llm, prompts, *, stream, **kwargs):
-        result = fake_capture(llm, prompts, stream=stream, **kwargs)
-        if stream == "attention_heads":
-            batches.append(prompts)
-        if stream == "attention_heads" and len(batches) == batch + 1:
-            out = result.outputs[prompt].outputs[0]
-            out.token_ids = list(out.token_ids)
-            out.token_ids[token_index] += 1
-        return result
-
-    return capture
-
-
-def test_components_that_fed_different_tokens_stop_the_run_before_their_batch(tmp_path,
-                                                                            monkeypatch):
-    """Each component has a generate of its own: if two fed other tokens, their rows would be of
-    different sequences. The run stops before storing that batch; the batches before it stay."""
-    monkeypatch.setattr(api, "capture", diverging_capture(batch=1, prompt=1, token_index=0))
-    out = tmp_path / "ds"
-    # Batches of 3, a shard each: prompt 4 (the second batch's second) diverges.
-    with pytest.raises(DatasetError, match="prompt 4: the generate for attention_heads fed other"):
-        run(out, batch_size=3, shard_rows=1)
-    assert [s["prompt_end"] for s in load_dataset(out, verify=True).shards] == [3]
-
-
 def relabelled_capture(target: str, column: str, change):
     """fake_capture whose rows of ``target`` carry other labels in ``column`` (a writer's bug)."""
 
@@ -420,11 +395,6 @@ def test_verify_checks_positions_token_ids_and_that_components_agree(tmp_path, m
     load_dataset(out).close()  # hashes and sizes agree: only the label checks see it
     with pytest.raises(DatasetError, match=message):
         load_dataset(out, verify=True)
-
-
-def test_components_may_differ_in_the_last_token_which_is_never_fed(tmp_path, monkeypatch):
-    monkeypatch.setattr(api, "capture", diverging_capture(batch=1, prompt=1, token_index=-1))
-    assert run(tmp_path / "ds")["prompts"] == len(PROMPTS)
 
 
 def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):

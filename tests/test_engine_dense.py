@@ -743,6 +743,34 @@ def test_capture_batches_equals_one_capture(llm):
 
 
 
+def test_capture_streams_takes_every_stream_from_one_generate(llm, hf):
+    """Two streams, a layer subset for one, per-prompt selections: one generate (the same
+    outputs), each stream's rows at the brute-force selector's positions, each HF's row there."""
+    prompts = _prompts(313, [6, 40, 3, 90])
+    selects = [None, vc.SelectSpec(prompt_window=(-3, None), generation="all"),
+               vc.SelectSpec.last_prompt_token(), vc.SelectSpec(generation_positions=(0, 2))]
+    results = vc.capture_streams(llm, [tokens_prompt(p) for p in prompts],
+                                 {"hidden_states": None, "attention_heads": [1, 3]}, max_tokens=5,
+                                 ignore_eos=True, per_prompt_selects=selects)
+    assert list(results) == ["hidden_states", "attention_heads"]
+    hidden, heads = results["hidden_states"], results["attention_heads"]
+    assert heads.outputs is hidden.outputs
+    assert sorted(hidden.layers) == list(range(NUM_LAYERS)) and sorted(heads.layers) == [1, 3]
+    fed = [fed_tokens(p, o) for p, o in zip(prompts, hidden.outputs)]
+    expected = [brute_force_positions(wire_of(s), p, f[len(p):])
+                for s, p, f in zip(selects, prompts, fed)]
+    for stream, result in results.items():
+        check_result_labels(result, fed, expected)
+        for i, f in enumerate(fed):
+            want = hf.run(f)[stream]
+            positions = result.sample_positions(i).long()
+            for layer in result.layers:
+                assert_close_rows(result.sample_rows(i, layer), want[layer][positions],
+                                  rtol=RTOL, atol=ATOL, what=f"{stream} prompt {i} layer {layer}")
+    for stream in results:
+        assert not capture_status(llm, stream)["enabled"]  # both stopped
+
+
 # ---- 12. stop strings ----------------------------------------------------------------------------
 
 def test_capture_ends_a_stop_strings_rows_where_its_output_ends(llm, hf):

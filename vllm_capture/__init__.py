@@ -2,9 +2,9 @@
 
 Public names follow the capture API contract (constants, CaptureMeta, SelectSpec,
 deserialize_captured, match_capture_request_id, StreamConfig, StreamStore, CaptureSession), plus
-the client helpers (LLM, engine_kwargs, capture, capture_batches, CaptureResult), the spec's RPCs
-as client calls (start_capture, stop_capture, fetch_captured, clear_captured, capture_status), Server
-(those calls on a running vLLM server) and load_dataset.
+the client helpers (LLM, engine_kwargs, capture, capture_streams, capture_batches, CaptureResult),
+the spec's RPCs as client calls (start_capture, stop_capture, fetch_captured, clear_captured,
+capture_status), Server (those calls on a running vLLM server) and load_dataset.
 """
 
 from vllm_capture.selection import SelectSpec
@@ -17,8 +17,9 @@ from vllm_capture.session.wire import CaptureMeta, deserialize_captured, match_c
 
 def __getattr__(name):
     # The client helpers import vLLM pieces lazily; keep `import vllm_capture` light.
-    if name in {"LLM", "capture", "capture_batches", "CaptureResult", "start_capture",
-                "stop_capture", "fetch_captured", "clear_captured", "capture_status"}:
+    if name in {"LLM", "capture", "capture_streams", "capture_batches", "CaptureResult",
+                "start_capture", "stop_capture", "fetch_captured", "clear_captured",
+                "capture_status"}:
         from vllm_capture import api
 
         return getattr(api, name)
@@ -40,7 +41,8 @@ def __getattr__(name):
 __all__ = [
     "ATTENTION_HEADS", "COMPONENTS", "HIDDEN_STATES", "ROUTER_LOGITS", "CaptureMeta", "SelectSpec",
     "deserialize_captured", "match_capture_request_id", "StreamConfig", "StreamStore",
-    "CaptureSession", "LLM", "engine_kwargs", "capture", "capture_batches", "CaptureResult",
+    "CaptureSession", "LLM", "engine_kwargs", "capture", "capture_streams", "capture_batches",
+    "CaptureResult",
     "start_capture", "stop_capture", "fetch_captured", "clear_captured", "capture_status",
     "Server", "load_dataset",
 ]

@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -546,28 +546,80 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
 
 
 def _run(llm, checked: _Checked) -> CaptureResult:
-    stream, config = checked.stream, checked.config
-    start_capture(llm, stream, **config)
+    return _run_streams(llm, [checked])[0]
+
+
+def _run_streams(llm, checks: list[_Checked]) -> list[CaptureResult]:
+    """One generate of the prompts (the same in every check) with each check's stream on: the
+    streams' rows are of the same sequences."""
+    first = checks[0]
+    params = [_joined_params(ps) for ps in zip(*(c.params for c in checks))]
+    started, fetched = [], []
     try:
-        outputs = llm.generate(checked.prompts, checked.params, use_tqdm=checked.use_tqdm)
-        tensors, meta, layouts = fetch_captured(llm, stream, clear=False)
-        status = capture_status(llm, stream)
-        if status.get("tokens_dropped"):
-            raise RuntimeError(
-                f"capture dropped {status['tokens_dropped']} row(s) (budget_rows or the device "
-                "buffer's rows per step); the result would be incomplete. Raise budget_rows or "
-                "capture_buffer_bytes, capture fewer rows, or use capture_batches().")
+        for c in checks:
+            start_capture(llm, c.stream, **c.config)
+            started.append(c.stream)
+        outputs = llm.generate(first.prompts, params, use_tqdm=first.use_tqdm)
+        for c in checks:
+            tensors, meta, layouts = fetch_captured(llm, c.stream, clear=False)
+            status = capture_status(llm, c.stream)
+            if status.get("tokens_dropped"):
+                raise RuntimeError(
+                    f"capture of {c.stream} dropped {status['tokens_dropped']} row(s) "
+                    "(budget_rows or the device buffer's rows per step); the result would be "
+                    "incomplete. Raise budget_rows or capture_buffer_bytes, capture fewer rows, "
+                    "or use capture_batches().")
+            fetched.append((tensors, meta, layouts, status))
     finally:
-        stop_capture(llm, stream)
+        for stream in started:
+            stop_capture(llm, stream)
     request_ids = [o.request_id for o in outputs]
     # A request's rows are its prompt and every generated token but the last. A stop string is
     # found outside the engine core, which feeds the token that completed it (or a few more)
     # before it hears the request stopped; those rows are not part of the returned sequence.
     ends = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outputs]
-    grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids, ends)
-    _add_empty_layers(llm, stream, config["layers"], config["dtype"], status, grouped,
-                      grouped_meta, layouts)
-    return CaptureResult(grouped, outputs, layouts, stream, grouped_meta, offsets)
+    results = []
+    for c, (tensors, meta, layouts, status) in zip(checks, fetched):
+        grouped, grouped_meta, offsets = group_rows(tensors, meta, request_ids, ends)
+        _add_empty_layers(llm, c.stream, c.config["layers"], c.config["dtype"], status, grouped,
+                          grouped_meta, layouts)
+        results.append(CaptureResult(grouped, outputs, layouts, c.stream, grouped_meta, offsets))
+    return results
+
+
+def _joined_params(params: tuple) -> Any:
+    """One request's SamplingParams for several streams: their selections and prefix-cache
+    policy joined (each stream's own ``capture()`` checks made them)."""
+    if len(params) == 1:
+        return params[0]
+    joined = params[0].clone()
+    selects: dict = {}
+    for p in params:
+        selects.update((p.extra_args or {}).get(EXTRA_ARGS_KEY, {}))
+    if selects:
+        joined.extra_args = {**(joined.extra_args or {}), EXTRA_ARGS_KEY: selects}
+    joined.skip_reading_prefix_cache = any(p.skip_reading_prefix_cache for p in params)
+    return joined
+
+
+def capture_streams(llm, prompts: Sequence, layers: Mapping[str, list[int] | None],
+                    **kwargs) -> dict[str, CaptureResult]:
+    """``capture()`` of several streams from one generate: ``layers`` maps each stream to its
+    layers (None: all), and ``kwargs`` are ``capture()``'s others, the same for every stream.
+    Their rows are of the same sequences, which separate ``capture()`` calls do not promise
+    beyond the prompt (another run may decode other tokens)."""
+    if not layers:
+        raise ValueError("layers: name at least one stream")
+    prompts = _prompt_list(prompts)  # read once, for every stream's check
+    if kwargs.get("per_prompt_selects") is not None:
+        kwargs["per_prompt_selects"] = _select_list(kwargs["per_prompt_selects"], len(prompts))
+    checks = []
+    for stream, stream_layers in layers.items():
+        bound = _CAPTURE_SIGNATURE.bind(llm, prompts, stream=stream, layers=stream_layers,
+                                        **kwargs)
+        bound.apply_defaults()
+        checks.append(_check(**bound.arguments))
+    return dict(zip(layers, _run_streams(llm, checks)))
 
 
 def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | None,

@@ -15,9 +15,9 @@ Commands::
 ``extract`` reads prompts from a ``.txt`` file (one prompt per non-blank line) or a ``.jsonl`` file
 (one object per line: ``prompt``, optional ``id``, optional ``select`` = a SelectSpec wire dict
 that replaces ``--select`` for that prompt). It processes the prompts in batches of
-``--batch-size``; for every batch it captures each requested component in turn (one
-``capture()`` pass per component, so each component's rows carry their own label columns;
-generation is greedy, so the passes normally generate the same tokens). It writes a shard (see
+``--batch-size``; for every batch one greedy generate captures every requested component
+(``capture_streams``), so the components' rows are of the same sequences, each component with
+its own label columns. It writes a shard (see
 ``vllm_capture.dataset`` for the format) whenever the buffered rows reach ``--shard-rows`` or
 ``--shard-mb``, so memory stays bounded by one shard plus one batch, whatever the corpus size.
 A shard holds whole batches; ``rows`` counts token positions per component.
@@ -465,23 +465,6 @@ def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
     return manifest
 
 
-def check_same_sequences(results: dict, first_prompt: int) -> None:
-    """DatasetError unless every component's generate of a batch fed the same tokens.
-
-    Each component is captured by a generate of its own; greedy decoding can still pick other
-    tokens in another run (other batching, prefix-cache hits), and then the components' rows
-    would be of different sequences. The last generated token is never fed, so it may differ."""
-    (first, base), *others = results.items()
-    fed = [list(o.outputs[0].token_ids[:-1]) for o in base.outputs]
-    for c, result in others:
-        for i, o in enumerate(result.outputs):
-            if list(o.outputs[0].token_ids[:-1]) != fed[i]:
-                raise DatasetError(
-                    f"prompt {first_prompt + i}: the generate for {c} fed other tokens than the "
-                    f"one for {first}, so their rows would be of different sequences; extract one "
-                    f"component per run, or use --max-tokens 1 (no generated rows)")
-
-
 def _create_folders(out: Path) -> list[Path]:
     """Create the folder ``out`` and the parents it lacks; the folders made, the deepest first.
     UsageError (nothing left made) where it cannot be created: tried for real, as permission
@@ -790,7 +773,7 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
     another run is writing into; DatasetError for a batch in another dtype than the one the
     dataset records for its component.
     """
-    from vllm_capture.api import capture
+    from vllm_capture.api import capture_streams
 
     plan = plan_run(prompts, components=components, layers=layers, select=select,
                     max_tokens=max_tokens, storage_dtype=storage_dtype, batch_size=batch_size,
@@ -899,11 +882,10 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
         for b0 in range(start, len(prompts), batch_size):
             b1 = min(b0 + batch_size, len(prompts))
             per_prompt = [p.select for p in prompts[b0:b1]] if has_own else None
-            results = {c: capture(llm, texts[b0:b1], stream=c, max_tokens=max_tokens,
-                                  layers=layer_map[c], dtype=storage, select=spec,
-                                  per_prompt_selects=per_prompt)
-                       for c in components}
-            check_same_sequences(results, b0)
+            # One generate for every component: their rows are of the same sequences.
+            results = capture_streams(llm, texts[b0:b1], {c: layer_map[c] for c in components},
+                                      max_tokens=max_tokens, dtype=storage, select=spec,
+                                      per_prompt_selects=per_prompt)
             for c, result in results.items():
                 for layer, t in result.layers.items():
                     check_batch_dtype(manifest, c, layer, dtype_name(t.dtype), (b0, b1))
