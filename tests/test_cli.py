@@ -306,9 +306,9 @@ def test_prompt_longer_than_max_model_len_is_refused_before_writing(llm, tiny, t
     assert not out.exists()
 
 
-@pytest.mark.skipif(not os.environ.get("VLLM_CAPTURE_SUBPROCESS_DEMO"),
-                    reason="starts its own engine; set VLLM_CAPTURE_SUBPROCESS_DEMO=1")
+@pytest.mark.engine
 def test_demo_subprocess(tmp_path):
+    """`vllm-capture demo`, the console entry point `make demo` runs, in a process of its own."""
     exe = Path(sys.executable).with_name("vllm-capture")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_capture.cli"]
     proc = subprocess.run([*cmd, "demo", "--out", str(tmp_path / "demo"), "--no-progress"],

@@ -231,6 +231,40 @@ def test_lazy_access_by_prompt_position_and_id(tmp_path):
             ds.rows("hidden_states", bad)
 
 
+def _rewrite_first_shard(out, name: str, change) -> None:
+    """Change one tensor of the first shard and re-hash it, as a writer's bug would have made it:
+    the manifest's sizes and hashes agree, so only verify's label checks can see it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from vllm_capture.dataset import sha256_file
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["shards"][0]
+    path = out / entry["file"]
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    tensors[name] = change(tensors[name].clone())
+    save_file(tensors, str(path), metadata=metadata)
+    entry["bytes"], entry["sha256"] = path.stat().st_size, sha256_file(path)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("column, change", [
+    ("prompt_index", lambda t: t.flip(0)),  # out of order
+    ("prompt_index", lambda t: t + 100),  # outside the shard's prompts
+    ("request_id", lambda t: t + 1),  # not the prompt index
+])
+def test_verify_checks_the_prompt_index_and_request_id_columns(tmp_path, column, change):
+    out = tmp_path / "ds"
+    run(out, prompts=PROMPTS[:4], components=["hidden_states"])
+    _rewrite_first_shard(out, f"hidden_states.{column}", change)
+    load_dataset(out).close()
+    with pytest.raises(DatasetError, match="prompt_index or request_id out of"):
+        load_dataset(out, verify=True)
+
+
 @pytest.mark.parametrize("line, message", [("{not json", "not JSON"),
                                            ('{"id": "a"}', "not a prompt record")])
 def test_a_damaged_prompts_file_is_named_with_its_line(tmp_path, line, message):
@@ -391,7 +425,7 @@ def test_verify_checks_positions_token_ids_and_that_components_agree(tmp_path, m
                                                                      message):
     monkeypatch.setattr(api, "capture", relabelled_capture(stream, column, change))
     out = tmp_path / "ds"
-    run(out, prompts=PROMPTS[:1])
+    run(out, prompts=PROMPTS[:2])
     load_dataset(out).close()  # hashes and sizes agree: only the label checks see it
     with pytest.raises(DatasetError, match=message):
         load_dataset(out, verify=True)
@@ -709,6 +743,33 @@ def test_capture_result_save_over_an_earlier_save(tmp_path, monkeypatch):
     shutil.copy(tmp_path / "a" / "labels_1.npy", path / "labels_1.npy")
     with pytest.raises(ValueError, match="layer 1: row counts disagree"):
         api.CaptureResult.load(path)
+
+
+def test_capture_result_per_prompt_accessors_and_a_bf16_round_trip(tmp_path):
+    """``sample_token_ids`` and ``token`` against the fake's own tokens and rows, and a bf16
+    result saved and loaded back with every label (positions, token ids, request ids)."""
+    prompts = PROMPTS[:3]
+    result = fake_capture(FakeEngine(), prompts, stream="attention_heads", layers=[0, 2],
+                          select=SelectSpec(prompt="all"), dtype="bfloat16")
+    for i, text in enumerate(prompts):
+        words = text.split()
+        assert result.sample_token_ids(i).tolist() == [_token(w) for w in words]
+        last = expected_row(text, len(words) - 1, 2, "attention_heads").to(torch.bfloat16)
+        assert torch.equal(result.token(i, 2), last)
+        second = expected_row(text, 1, 0, "attention_heads").to(torch.bfloat16)
+        assert torch.equal(result.token(i, 0, pos=1), second)
+    with pytest.raises(KeyError, match="no captured row at position 999"):
+        result.token(0, 0, pos=999)
+    loaded = api.CaptureResult.load(result.save(tmp_path / "r"))
+    assert (loaded.stream, loaded.offsets, loaded.layouts) == (
+        result.stream, result.offsets, result.layouts)
+    for layer in (0, 2):
+        assert loaded.layers[layer].dtype == torch.bfloat16
+        assert torch.equal(loaded.layers[layer], result.layers[layer])
+        got, want = loaded.meta(layer), result.meta(layer)
+        assert got.req_ids == want.req_ids
+        assert torch.equal(got.positions, want.positions)
+        assert torch.equal(got.token_ids, want.token_ids)
 
 
 @pytest.mark.parametrize("prompts, match", [

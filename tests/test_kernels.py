@@ -656,6 +656,29 @@ def test_counter_exactly_once_per_launch_many_programs():
     assert int(b["site"][L.SITE_EXECUTIONS]) == launches + 1
 
 
+def test_triton_is_installed_so_the_kernel_tests_run():
+    """The kernel tests skip without Triton; on CI (torch brings Triton) a skip would hide them."""
+    assert K.HAVE_TRITON
+
+
+@needs_triton
+def test_nan_stays_nan_in_bf16_and_fp16_rings():
+    """Quiet, signalling, negative and all-ones-mantissa NaNs: rounding by hand must not carry a
+    NaN's mantissa into the exponent (an inf) or drop it (a zero)."""
+    words = [0x7FC00000, 0x7F800001, 0xFFC00000, 0x7FFFFFFF, 0xFF800001]
+    vals = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                        dtype=torch.int32).view(torch.float32)
+    T = vals.numel()
+    for ring_dtype in (torch.bfloat16, torch.float16):
+        b = make_bufs(torch.Generator().manual_seed(0), cap=T, W=1, ring_rows=T,
+                      ring_dtype=ring_dtype, acc_slots=1)
+        b["plan_meta"][:] = torch.tensor([L.MODE_ROWS, T, 0, 0])
+        b["plan"][L.PLAN_ROW] = torch.arange(T, dtype=torch.int32)
+        out = run_all(vals.view(T, 1), None, None, b)
+        for name, got in out.items():
+            assert torch.isnan(got["ring"][:, 0].float()).all(), f"{name} {ring_dtype}"
+
+
 @needs_triton
 def test_bf16_and_fp16_rounding_edges_match_torch():
     """Round-half-even ties, overflow to inf, subnormals, +-0, inf: bitwise equal to torch's cast.

@@ -865,10 +865,6 @@ def test_reductions_random_schedules(scenario):
             message = str(info.value)
             if "failed" in bad.values():
                 assert "failed request" in message
-                slot_failures = [rid for rid, s in bad.items() if s == "failed"
-                                 and ref.req[rid].capture is None and ref.req[rid].n == 1]
-                if slot_failures:
-                    assert "reduce slots" in message or "per-request" in message
             else:
                 assert "skip_reading_prefix_cache" in message
 

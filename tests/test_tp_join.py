@@ -77,8 +77,12 @@ def test_ranks_with_different_dtypes_are_refused(full):
         join_shards(ATTENTION_HEADS, replies)
 
 
-def test_ranks_with_different_rows_are_refused(full):
-    replies = [_reply(0, 2, full, full), _reply(1, 2, full, full, meta=_meta(shift=1))]
+@pytest.mark.parametrize("column", [0, 1, 2])  # request, position, token id
+def test_ranks_with_different_rows_are_refused(full, column):
+    other = _meta()
+    # The other of the table's two requests, or the next position or token id.
+    other[:, column] = 1 - other[:, column] if column == 0 else other[:, column] + 1
+    replies = [_reply(0, 2, full, full), _reply(1, 2, full, full, meta=other)]
     with pytest.raises(RuntimeError, match="different rows"):
         join_shards(ATTENTION_HEADS, replies)
 
