@@ -259,6 +259,7 @@ def stop_token_check(args) -> None:
     report["ok"] = past_rows_ok and set(capture_rows) == {0} and set(extra["length"]) <= {0}
     Path(args.report).write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, default=str))
+    exit_unless(report["ok"])
 
 
 def matched_rows(d: dict, o: dict) -> dict:
@@ -323,8 +324,49 @@ def compare(args) -> None:
                 checked += b - a
         fid[s] = {"max_abs": worst_abs, "max_rel_rownorm": worst_rel, "rows_checked": checked}
     report["fidelity_vs_hf_fp32"] = fid
+    report["problems"] = run_problems(graph, report, fid, args.max_rel)
+    report["ok"] = not report["problems"]
     Path(args.report).write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, indent=1, default=str))
+    exit_unless(report["ok"])
+
+
+# ``last`` is a row of the all-row run, bit for bit; ``mean`` is summed in float32 on the device
+# and rounded to bf16 once, where the reference averages bf16 rows in float32.
+MEAN_MAX_REL = 0.02
+
+
+def run_problems(graph: dict, report: dict, fid: dict, max_rel: float | None) -> list[str]:
+    """What makes a ``compare`` fail: rows missing, a layer subset's rows not those of the full
+    run, a reduction off its reference, another run with no row to compare, and (with
+    ``max_rel``, for a dense model: a MoE's routing flips amplify bf16 rounding) rows far from HF."""
+    problems = []
+    for s, f in fid.items():
+        if f["rows_checked"] == 0:
+            problems.append(f"{s}: no row checked against HF")
+        elif max_rel is not None and f["max_rel_rownorm"] > max_rel:
+            problems.append(f"{s}: {f['max_rel_rownorm']:.4f} from HF, above {max_rel}")
+    for s, part in graph.get("partial", {}).items():
+        diffs = part["max_abs_diff"].values()
+        if part["layers_returned"] != part["layers"] or any(d != 0.0 for d in diffs):
+            problems.append(f"{s}: a layer subset's rows are not the full run's")
+    for s, reductions in graph.get("reduced", {}).items():
+        if reductions["last"]["max_abs_diff"] != 0.0:
+            problems.append(f"{s}: last is not the all-row run's last row")
+        if reductions["mean"]["max_rel_rownorm"] > MEAN_MAX_REL:
+            problems.append(f"{s}: mean {reductions['mean']['max_rel_rownorm']:.4f} off")
+    for key, runs in report.items():
+        if key.startswith("run_vs_") and isinstance(runs, dict):
+            for s, m in runs.items():
+                if m.get("error") or not m.get("rows_compared"):
+                    problems.append(f"{key} {s}: {m.get('error') or 'no row compared'}")
+    return problems
+
+
+def exit_unless(ok: bool) -> None:
+    """A check's exit status: 1 when it failed, so the session script's rc says so."""
+    if not ok:
+        sys.exit(1)
 
 
 def dtype_drift(args) -> None:
@@ -425,6 +467,7 @@ def graph_nodes_check(args) -> None:
                     and report["status_site0_off"]["nodes_left_out"] == 1)
     Path(args.report).write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
+    exit_unless(report["ok"])
 
 
 def drain_order_check(args) -> None:
@@ -477,6 +520,7 @@ def drain_order_check(args) -> None:
     report["ok"] = all(c["ok"] for c in report["cases"])
     Path(args.report).write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
+    exit_unless(report["ok"])
 
 
 def main() -> None:
@@ -504,6 +548,8 @@ def main() -> None:
                    help="another run of the same prompts to compare rows with (repeatable)")
     c.add_argument("--model-dir", required=True)
     c.add_argument("--report", required=True)
+    c.add_argument("--max-rel", type=float, default=None,
+                   help="fail when a row is further from HF fp32 than this (relative to its norm)")
     d = sub.add_parser("dtype-drift", help="HF bf16 vs HF fp32, per layer (CPU is enough)")
     d.add_argument("--model", default="qwen3_moe")
     d.add_argument("--models", default="/tmp/tiny")
