@@ -4,8 +4,8 @@ One engine serves the whole module (start-up is about a minute on CPU); ``main()
 through ``llm_factory``. Bad-input tests pass a factory that fails if called: they must be
 rejected before any engine starts, and write nothing.
 
-Set VLLM_CAPTURE_SUBPROCESS_DEMO=1 to also run ``vllm-capture demo`` as a subprocess (it starts
-its own engine: about a minute more).
+``vllm-capture demo`` also runs as a subprocess, the console entry point ``make demo`` uses (it
+starts its own engine: under a minute more).
 """
 
 from __future__ import annotations
