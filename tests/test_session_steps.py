@@ -146,7 +146,7 @@ class Engine:
     """CaptureGraphState + CaptureSession driven like the V1 runner wrappers drive them."""
 
     def __init__(self, capacity=MAX_ROWS, acc_slots=8, ring_slots=2, ids_dtype=torch.int32,
-                 host_tokens_rng: random.Random | None = None, rank0_only=()):
+                 host_tokens_rng: random.Random | None = None, rank0_only=(), runner=None):
         self.state = CaptureGraphState(device=torch.device("cpu"), capacity=capacity,
                                        ring_slots=ring_slots, acc_slots=acc_slots)
         self.counters = []
@@ -165,30 +165,54 @@ class Engine:
         self.noise = np.random.default_rng(1234)
         self.host_tokens_rng = host_tokens_rng
         self.handle_calls = 0
+        self.announced: set[str] = set()
+        # A fake of vLLM's runner (``_StepV1Runner``, ``_StepV2Runner``), wrapped by wrap_runner:
+        # steps then reach the session through the runner wrappers and a scheduler output.
+        self.runner = None if runner is None else runner(self)
+        if self.runner is not None:
+            from vllm_capture.engine.runners import wrap_runner
+
+            assert wrap_runner(self.runner, self.session) is self.input_ids
 
     def site(self, component, layer):
         return next(s for s in self.state.sites_of(component) if s.layer_id == layer)
 
     # -- scheduler output ------------------------------------------------------------------------
 
-    def observe(self, batch) -> None:
+    def observe(self, batch) -> types.SimpleNamespace:
+        """The step's scheduler output (finished and new requests), told to the session here
+        unless a runner's wrapper reads it."""
+        finished, new = [], []
         if self.finished:
-            rids = [r.rid for r in self.finished]
-            self.session.finish_requests(rids)
+            finished = [r.rid for r in self.finished]
             for ref in self.refs:
-                ref.on_finish(rids)
+                ref.on_finish(finished)
             self.finished = []
-        for req, _ in batch:
+        warmups = []  # vLLM's warm-up requests run real steps; only the wrappers see them new
+        for req, rows in batch:
+            if isinstance(req, str) and req not in self.announced:
+                self.announced.add(req)
+                warmups.append((req, [5] * rows, None))
             if req is None or isinstance(req, str):
                 continue
             if not req.started:
                 req.started, req.computed = True, req.cache_hit
-                self.session.add_request(req.rid, list(req.prompt), req.sampling_params())
+                new.append((req.rid, list(req.prompt), req.sampling_params()))
             elif req.rejoin:
                 # A resumed request is announced again with everything it has as its "prompt";
                 # the session must keep the original prompt length.
                 req.rejoin = False
-                self.session.add_request(req.rid, req.seq[: req.known], req.sampling_params())
+                new.append((req.rid, req.seq[: req.known], req.sampling_params()))
+        if self.runner is None:
+            if finished:
+                self.session.finish_requests(finished)
+            for rid, prompt, params in new:
+                self.session.add_request(rid, prompt, params)
+        return types.SimpleNamespace(
+            finished_req_ids=set(finished),
+            scheduled_new_reqs=[types.SimpleNamespace(req_id=rid, prompt_token_ids=prompt,
+                                                      sampling_params=params)
+                                for rid, prompt, params in warmups + new])
 
     def preempt(self, req: Req, resume_at: int = 0) -> None:
         """``resume_at``: the tokens a prefix-cache hit gives the request when it resumes (other
@@ -199,7 +223,7 @@ class Engine:
 
     def step(self, batch, pad: int = 0) -> list[Entry]:
         """Run one step; ``batch`` is [(Req | dummy-id str, rows)] in batch order."""
-        self.observe(batch)
+        scheduler_output = self.observe(batch)
         entries, row = [], 0
         for req, rows in batch:
             if isinstance(req, str):
@@ -232,7 +256,10 @@ class Engine:
         )
         for ref in self.refs:
             ref.on_step(self.step_no, entries)
-        if self.session.any_stream_enabled():  # as the runner wrapper does
+        if self.runner is not None:
+            scheduler_output.step, scheduler_output.entries = step, entries
+            self.runner.execute_model(scheduler_output)
+        elif self.session.any_stream_enabled():  # as the runner wrapper does
             self.session.begin_step(step)
             try:
                 self.forward(entries, padded)
@@ -1848,6 +1875,81 @@ def test_a_request_preempted_after_repeated_steps_is_not_captured_twice(reduce):
     while not a.done or not b.done:
         engine.step([(r, 1) for r in (a, b) if not r.done])
     _check_fetched(engine, ref, reduce, (a, b))
+
+
+class _StepV2Runner:
+    """vLLM's V2 runner as wrap_runner sees it, running the Engine's steps: ``execute_model``
+    prepares the step's InputBatch (its query_start_loc padded past the requests, as vLLM's
+    buffer is) and runs the forward."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.input_buffers = types.SimpleNamespace(input_ids=engine.input_ids)
+
+    def prepare_inputs(self, scheduler_output):
+        step = scheduler_output.step
+        qsl = step.query_start_loc
+        return types.SimpleNamespace(
+            req_ids=list(step.req_ids), num_computed_tokens_np=step.num_computed,
+            query_start_loc_np=np.concatenate([qsl, np.full(3, qsl[-1], qsl.dtype)]),
+            num_tokens_after_padding=step.num_rows_padded)
+
+    def execute_model(self, scheduler_output, dummy_run=False):
+        batch = self.prepare_inputs(scheduler_output)
+        self.engine.forward(scheduler_output.entries, batch.num_tokens_after_padding)
+
+
+class _StepV1Runner:
+    """vLLM's V1 (and CPU) runner as wrap_runner sees it: persistent int32 buffers longer than
+    the step's requests, and ``_model_forward`` called with the step's padded input ids."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.input_ids = types.SimpleNamespace(gpu=engine.input_ids)
+        self.input_batch = types.SimpleNamespace(req_ids=[], num_reqs=0,
+                                                 num_computed_tokens_cpu=None)
+        self.query_start_loc = types.SimpleNamespace(np=None)
+        self._entries = None
+
+    def execute_model(self, scheduler_output):
+        step = scheduler_output.step
+        batch = self.input_batch
+        batch.req_ids = list(step.req_ids) + ["stale-0123abcd"]  # a slot past num_reqs
+        batch.num_reqs = len(step.req_ids)
+        batch.num_computed_tokens_cpu = np.concatenate([step.num_computed, [99]]).astype(np.int32)
+        self.query_start_loc.np = np.concatenate([step.query_start_loc, [0, 0]]).astype(np.int32)
+        self._entries = scheduler_output.entries
+        self._model_forward(input_ids=torch.zeros(step.num_rows_padded, dtype=torch.int32))
+
+    def _model_forward(self, input_ids=None, **kwargs):
+        self.engine.forward(self._entries, input_ids.shape[0])
+
+
+@pytest.mark.parametrize("runner", [_StepV1Runner, _StepV2Runner])
+@pytest.mark.parametrize("reduce", ["all", "last", "mean"])
+def test_steps_reach_the_session_through_the_runner_wrappers(runner, reduce):
+    """The runner wrappers, not the test, tell the session of each step: its scheduler output
+    (new, resumed and finished requests, and a warm-up request vLLM runs through real steps),
+    the step's buffers and the forward's end. Chunked prefill with padding, decode, a
+    preemption; the rows are the reference's."""
+    engine = Engine(acc_slots=4, runner=runner)
+    ref = RefStream(HS, 8, reduce=reduce) if reduce != "all" else RefStream(HS, 8)
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce=reduce)
+    a = Req(num=0, prompt=[1, 2, 3, 4, 5], gen=[6, 7, 8, 9])
+    b = Req(num=1, prompt=[2, 3], gen=[4, 5, 6, 7, 1])
+    engine.step([(a, 3), ("_v2_mixed_warmup_0", 2), (b, 2)], pad=3)
+    engine.step([(b, 1), (a, 2)])
+    engine.step([(a, 1), (b, 1)])
+    engine.preempt(b)
+    engine.step([(a, 1), (b, b.known)], pad=1)
+    while not a.done or not b.done:
+        engine.step([(r, 1) for r in (b, a) if not r.done])
+    steps = engine.step_no
+    _check_fetched(engine, ref, reduce, (a, b))
+    status = engine.session.stream_status(HS)
+    # Each step's eager launches are counted when the wrapper ends it (the last step is empty).
+    assert status["failed_reqs"] == 0 and status["eager_capture_forwards"] == steps
 
 
 class _FakeV2Runner:
