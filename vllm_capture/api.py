@@ -479,6 +479,13 @@ def capture(llm, prompts: Sequence, *, stream: str = HIDDEN_STATES, max_tokens: 
 _CAPTURE_SIGNATURE = inspect.signature(capture)
 
 
+def _check_call(llm, prompts, **kwargs) -> _Checked:
+    """``_check`` of a call with ``capture()``'s arguments, its defaults filled in."""
+    bound = _CAPTURE_SIGNATURE.bind(llm, prompts, **kwargs)
+    bound.apply_defaults()
+    return _check(**bound.arguments)  # capture()'s parameters, by name
+
+
 @dataclass
 class _Checked:
     """A capture's arguments, checked: each prompt with its own SamplingParams, and the stream's
@@ -613,12 +620,8 @@ def capture_streams(llm, prompts: Sequence, layers: Mapping[str, list[int] | Non
     prompts = _prompt_list(prompts)  # read once, for every stream's check
     if kwargs.get("per_prompt_selects") is not None:
         kwargs["per_prompt_selects"] = _select_list(kwargs["per_prompt_selects"], len(prompts))
-    checks = []
-    for stream, stream_layers in layers.items():
-        bound = _CAPTURE_SIGNATURE.bind(llm, prompts, stream=stream, layers=stream_layers,
-                                        **kwargs)
-        bound.apply_defaults()
-        checks.append(_check(**bound.arguments))
+    checks = [_check_call(llm, prompts, stream=stream, layers=stream_layers, **kwargs)
+              for stream, stream_layers in layers.items()]
     return dict(zip(layers, _run_streams(llm, checks)))
 
 
@@ -657,10 +660,7 @@ def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
     (the layers the model has when the first batch starts the stream, before it generates)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    bound = _CAPTURE_SIGNATURE.bind(llm, prompts, **kwargs)
-    bound.apply_defaults()
-    checked = _check(**bound.arguments)  # capture()'s parameters, by name
-    return _batches(llm, checked, batch_size)
+    return _batches(llm, _check_call(llm, prompts, **kwargs), batch_size)
 
 
 def _batches(llm, checked: _Checked, batch_size: int) -> Iterator[CaptureResult]:
