@@ -53,14 +53,25 @@ def llm(model_path):
                              long_prefill_token_threshold=BLOCK_SIZE,
                              scheduling_policy="priority")
     scheduler = engine.llm_engine.engine_core.engine_core.scheduler
-    engine.preempted = []
+    # What the scenarios need shown: which requests were preempted, how far each had computed
+    # then, and the prefix-cache hit each resumed on.
+    engine.preempted, engine.progress, engine.resume_hits = [], {}, {}
     preempt = scheduler._preempt_request
+    computed_blocks = scheduler.kv_cache_manager.get_computed_blocks
 
     def counted(request, *args, **kwargs):
         engine.preempted.append(request.request_id)
+        engine.progress[request.request_id] = request.num_computed_tokens
         return preempt(request, *args, **kwargs)
 
+    def hits(request, *args, **kwargs):
+        found = computed_blocks(request, *args, **kwargs)
+        if request.num_preemptions > 0:
+            engine.resume_hits.setdefault(request.request_id, found[1])
+        return found
+
     scheduler._preempt_request = counted
+    scheduler.kv_cache_manager.get_computed_blocks = hits
     yield engine
     shutdown_llm(engine)
 
@@ -71,7 +82,8 @@ def hf(model_path):
 
 
 def _b_then_c(llm, seed: int, prompts: dict[str, list[int]], max_tokens: int):
-    """Run B, then C two steps later; ``{name: output}``."""
+    """Run B, then C two steps later; ``{name: output}``, and B's resume: ``(tokens it had
+    computed when preempted, tokens of the prefix-cache hit it resumed on)``."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -89,9 +101,11 @@ def _b_then_c(llm, seed: int, prompts: dict[str, list[int]], max_tokens: int):
     engine.add_request(f"C{seed}", tokens_prompt(prompts["C"]), params, priority=0)
     while engine.has_unfinished_requests():
         step()
-    assert any(match_capture_request_id(r, f"B{seed}") for r in llm.preempted[preempted:]), (
-        "the scenario needs B preempted")
-    return {name: outputs[f"{name}{seed}"] for name in prompts}
+    b_ids = [r for r in llm.preempted[preempted:] if match_capture_request_id(r, f"B{seed}")]
+    assert b_ids, "the scenario needs B preempted"
+    b_id = b_ids[0]
+    return ({name: outputs[f"{name}{seed}"] for name in prompts},
+            (llm.progress[b_id], llm.resume_hits[b_id]))
 
 
 def test_a_preempted_request_is_captured_once_and_right(llm, hf):
@@ -99,7 +113,9 @@ def test_a_preempted_request_is_captured_once_and_right(llm, hf):
     prompts = {"B": random_prompt(rng, 200), "C": random_prompt(rng, 100)}
     start_capture(llm)
     try:
-        outputs = _b_then_c(llm, 11, prompts, max_tokens=30)
+        outputs, (progress, hit) = _b_then_c(llm, 11, prompts, max_tokens=30)
+        # B resumes on (some of) its own blocks, recomputing the rest: no position skipped.
+        assert hit <= progress, (hit, progress)
         assert capture_status(llm)["cache_elided_reqs"] == 0
         tensors, meta, _ = fetch_captured(llm)
     finally:
@@ -126,8 +142,11 @@ def test_a_resume_on_a_cache_hit_past_its_own_progress(llm, hf, seed, reduce, lo
     prompts = {"B": head + random_prompt(rng, 8), "C": head + random_prompt(rng, 8)}
     start_capture(llm, reduce=reduce)
     try:
-        outputs = _b_then_c(llm, seed, prompts, max_tokens=3)
+        outputs, (progress, hit) = _b_then_c(llm, seed, prompts, max_tokens=3)
         b_id = outputs["B"].request_id
+        # The scenario, for every reduction (a `last` stream loses nothing to it): B resumes on
+        # C's blocks, past what it had computed itself.
+        assert hit > progress, (hit, progress)
         # C was admitted on a hit of B's first blocks: the same loss, seen when it arrived.
         assert capture_status(llm)["cache_elided_reqs"] == (2 if loses_rows else 0)
         if loses_rows:
