@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_capture import api
+from vllm_capture import api, cli
 from vllm_capture.cli import Prompt, UsageError, extract, load_prompts, main
 from vllm_capture.dataset import DatasetError, load_dataset
 from vllm_capture.selection import SelectSpec
@@ -859,3 +859,47 @@ def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path):
     assert seen and summary["prompts"] == len(PROMPTS)
     load_dataset(out, verify=True)
     assert run(out)["prompts"] == 0  # the folder is free again: a rerun finds it complete
+
+
+def _model_folder(path, weights: bytes):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "README.md").write_text("about the model")
+    return path
+
+
+def test_a_model_rewritten_in_place_is_another_run(tmp_path):
+    size = cli.WEIGHT_SAMPLES * cli.WEIGHT_SAMPLE_BYTES * 4  # large enough to be sampled
+    weights = bytearray(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    model = _model_folder(tmp_path / "model", bytes(weights))
+    out = tmp_path / "ds"
+    run(out, model=str(model))
+    # The same bytes written again, and a file the engine does not read: the same run.
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    (model / "README.md").write_text("edited")
+    assert run(out, model=str(model))["prompts"] == 0
+    # New weights of the same size (a block that a sample reads), or a changed config: refused.
+    changed = bytearray(weights)
+    last = size - cli.WEIGHT_SAMPLE_BYTES
+    changed[7 * last // (cli.WEIGHT_SAMPLES - 1) + 100] ^= 1
+    (model / "model.safetensors").write_bytes(bytes(changed))
+    with pytest.raises(UsageError, match="differs in: model_files_sha256"):
+        run(out, model=str(model))
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    with pytest.raises(UsageError, match="differs in: model_files_sha256"):
+        run(out, model=str(model))
+    # A dataset written before the fingerprint hashed the model's files resumes unchecked.
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["run"]["model_files_sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert run(out, model=str(model))["prompts"] == 0
+
+
+def test_model_files_sha256_reads_small_weight_files_whole(tmp_path):
+    model = _model_folder(tmp_path / "model", b"\0" * 1000)
+    before = cli.model_files_sha256(str(model))
+    (model / "model.safetensors").write_bytes(b"\0" * 999 + b"\1")
+    assert cli.model_files_sha256(str(model)) != before
+    assert cli.model_files_sha256("not-a-downloaded-model") is None

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -361,20 +362,13 @@ def _looks_like_path(model: str) -> bool:
             or model.endswith(("/", ".json", ".safetensors", ".gguf")))
 
 
-def model_config(model: str) -> dict | None:
-    """The model's config.json (a local folder, or the Hugging Face cache); None if unknown.
-
-    UsageError if ``model`` looks like a local path that does not exist.
-    """
+def _model_location(model: str) -> Path | None:
+    """Where the model's files are: a local folder or file, or its snapshot folder in the Hugging
+    Face cache; None if unknown. UsageError if ``model`` looks like a local path that does not
+    exist."""
     path = Path(model).expanduser()
     if path.exists():
-        cfg = path / "config.json" if path.is_dir() else None
-        if cfg is None or not cfg.is_file():
-            return None
-        try:
-            return json.loads(cfg.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            return None
+        return path
     if _looks_like_path(model):
         raise UsageError(f"model not found: {model} (no such folder)")
     try:
@@ -382,10 +376,60 @@ def model_config(model: str) -> dict | None:
 
         cached = try_to_load_from_cache(model, "config.json")
         if isinstance(cached, str):
-            return json.loads(Path(cached).read_text(encoding="utf-8"))
+            return Path(cached).parent
     except Exception:  # noqa: BLE001 - the cache is only a hint; the engine will know
         pass
     return None
+
+
+def model_config(model: str) -> dict | None:
+    """The model's config.json (a local folder, or the Hugging Face cache); None if unknown.
+
+    UsageError if ``model`` looks like a local path that does not exist.
+    """
+    location = _model_location(model)
+    cfg = location / "config.json" if location is not None and location.is_dir() else None
+    if cfg is None or not cfg.is_file():
+        return None
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# The files whose bytes make a model's rows: weights (read in samples: a retrained checkpoint
+# changes nearly every block of them) and its config and tokenizer (read whole).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_WHOLE_SUFFIXES = (".json", ".model", ".txt", ".tiktoken")
+WEIGHT_SAMPLES = 64
+WEIGHT_SAMPLE_BYTES = 4096
+
+
+def model_files_sha256(model: str) -> str | None:
+    """A digest of the model's files: the top folder's config, tokenizer and weight files (names,
+    sizes, the small ones' bytes and ``WEIGHT_SAMPLES`` evenly spaced blocks of each weight file),
+    so a checkpoint rewritten in place no longer matches, where the same bytes written again
+    (a copy back, a new download) still do. None where the files are not here (a model the
+    engine will download)."""
+    location = _model_location(model)
+    if location is None:
+        return None
+    read = _WEIGHT_SUFFIXES + _WHOLE_SUFFIXES
+    files = [location] if location.is_file() else sorted(
+        p for p in location.iterdir() if p.is_file() and p.suffix in read)
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            if path.suffix not in _WEIGHT_SUFFIXES or size <= WEIGHT_SAMPLES * WEIGHT_SAMPLE_BYTES:
+                digest.update(f.read())
+                continue
+            last = size - WEIGHT_SAMPLE_BYTES
+            for i in range(WEIGHT_SAMPLES):
+                f.seek(i * last // (WEIGHT_SAMPLES - 1))
+                digest.update(f.read(WEIGHT_SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def _text_config(config: dict) -> dict:
@@ -429,6 +473,7 @@ def run_fingerprint(*, model: str, components: Sequence[str], layers: list[int] 
         "engine_dtype": engine_dtype or "auto",
         # Which weights: "dummy" (random) ones make other rows than the checkpoint's.
         "load_format": load_format or "auto",
+        "model_files_sha256": model_files_sha256(model),
         "num_prompts": len(prompts),
         "prompts_sha256": prompts_sha256((p.id, p.text, p.select) for p in prompts),
     }
@@ -455,8 +500,10 @@ def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
         manifest = load_dataset(out).manifest
     except DatasetError as exc:
         raise UsageError(f"--out: {exc}") from None
-    # A run written before the fingerprint named its load format used the checkpoint's weights.
-    previous = {"load_format": "auto", **manifest.get("run", {})}
+    # A run written before the fingerprint named its load format used the checkpoint's weights;
+    # one written before it hashed the model's files is not checked for them.
+    previous = {"load_format": "auto", "model_files_sha256": fingerprint["model_files_sha256"],
+                **manifest.get("run", {})}
     differs = [k for k in sorted(set(previous) | set(fingerprint))
                if previous.get(k) != fingerprint.get(k)]
     if differs:
