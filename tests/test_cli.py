@@ -370,6 +370,9 @@ BAD_INPUTS = {
     "bad storage dtype": (lambda d: ["{model}", "{txt}", "--storage-dtype", "int8"],
                           "--storage-dtype"),
     "bad batch size": (lambda d: ["{model}", "{txt}", "--batch-size", "0"], "--batch-size"),
+    "bad engine dtype": (lambda d: ["{model}", "{txt}", "--dtype", "fp8"],
+                         "--dtype: expected one of auto, half, float16, bfloat16, float, float32, "
+                         "got 'fp8'"),
     "bad capture buffer": (lambda d: ["{model}", "{txt}", "--capture-buffer-bytes", "-1"],
                            "--capture-buffer-bytes"),
     "foreign output folder": (lambda d: ["{model}", "{txt}", "--out", str(_foreign(d))],

@@ -717,6 +717,9 @@ def plan_run(prompts: Sequence, *, components=(HIDDEN_STATES,), layers=None, sel
     util = engine_options.get("gpu_memory_utilization")
     if util is not None and not 0 < util <= 1:
         raise UsageError(f"--gpu-memory-utilization: expected a fraction in (0, 1], got {util!r}")
+    dtype = engine_options.get("dtype")
+    if dtype is not None and dtype not in (known := engine_dtypes()):
+        raise UsageError(f"--dtype: expected one of {', '.join(known)}, got {dtype!r}")
     mode, spec = parse_selection(select, max_tokens)
     for p in prompts:
         if p.select is not None:
@@ -725,6 +728,15 @@ def plan_run(prompts: Sequence, *, components=(HIDDEN_STATES,), layers=None, sel
     storage = resolve_storage_dtype_name(storage_dtype)
     return RunPlan(prompts, components, requested_layers, mode, spec, max_tokens, storage,
                    batch_size, shard_rows, shard_mb, engine_options)
+
+
+def engine_dtypes() -> tuple[str, ...]:
+    """The model dtypes vLLM takes by name (its ``ModelDType``)."""
+    import typing
+
+    from vllm.config.model import ModelDType
+
+    return tuple(a for a in typing.get_args(ModelDType) if isinstance(a, str))
 
 
 def check_prompt_lengths(llm, prompts: Sequence[Prompt], chunk: int = 1024) -> None:
