@@ -170,7 +170,8 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     ;;
   extract)
     # The main job's throughput (issue 6): Llama-3.2-1B shape (dummy weights), 4,096 prompts of
-    # 20-120 words, last prompt token of every layer, then every prompt row of 4 layers.
+    # 20-120 words, last prompt token of every layer, then every prompt row of 4 layers, then the
+    # last token of both hidden states and attention heads.
     python3 - <<'PY'
 import random, sys
 from pathlib import Path
@@ -188,6 +189,8 @@ PY
     X="python3 -m vllm_capture.cli extract /tmp/extract/models/1b /tmp/extract/prompts.txt --load-format dummy --dtype bfloat16 --max-model-len 512 --batch-size 256 --no-progress"
     timeout 280 $X -o /tmp/extract/last -l all -s last >"$OUT/extract_last.log" 2>&1; echo "extract last rc=$?"; grep -E "prompts/s" "$OUT/extract_last.log"
     timeout 280 $X -o /tmp/extract/all4 -l 0,5,10,15 -s all >"$OUT/extract_all4.log" 2>&1; echo "extract all4 rc=$?"; grep -E "prompts/s" "$OUT/extract_all4.log"
+    # Two components in one generate a batch (capture_streams): against extract_last's speed.
+    timeout 280 $X -o /tmp/extract/two -c hidden_states,attention_heads -l all -s last >"$OUT/extract_two.log" 2>&1; echo "extract two rc=$?"; grep -E "prompts/s" "$OUT/extract_two.log"
     python3 -m vllm_capture.cli inspect /tmp/extract/all4 --verify >"$OUT/extract_inspect.log" 2>&1; echo "inspect rc=$?"; head -20 "$OUT/extract_inspect.log"
     ;;
   fetch)

@@ -1132,7 +1132,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "holds an unfinished run of the same command)")
     e.add_argument("-c", "--components", action="append", default=None,
                    help=f"comma-separated, repeatable: {', '.join(COMPONENTS)} "
-                   "(default hidden_states); each is captured by its own pass per batch")
+                   "(default hidden_states); one generate per batch captures them all")
     e.add_argument("-l", "--layers", default="all",
                    help="'all' (default) or e.g. 0,2,5-7 (negative: from the last layer)")
     e.add_argument("-s", "--select", default="last",
