@@ -8,9 +8,9 @@ Commands::
         [--shard-rows N] [--shard-mb MB] [--no-progress]
         [--tensor-parallel-size N] [--max-model-len N] [--gpu-memory-utilization F]
         [--enforce-eager] [--max-num-batched-tokens N] [--max-num-seqs N] [--dtype D]
-        [--load-format F]
+        [--load-format F] [--capture-buffer-bytes N]
     vllm-capture inspect DIR [--plot norms.png] [--verify] [--no-stats]
-    vllm-capture demo [--out DIR] [--plot norms.png]
+    vllm-capture demo [--out DIR] [--plot norms.png] [--no-progress]
 
 ``extract`` reads prompts from a ``.txt`` file (one prompt per non-blank line) or a ``.jsonl`` file
 (one object per line: ``prompt``, optional ``id``, optional ``select`` = a SelectSpec wire dict
@@ -34,8 +34,8 @@ Resuming: shards are written under a temporary name and renamed once complete; `
 (replaced atomically after each shard) lists the finished shards and the prompt range each one
 covers. Rerunning the same command resumes after the last finished shard; files an interrupted run
 left behind (temporary or unlisted shards) are removed first, so rows are never duplicated. A
-folder holding a different run (other model, prompts, components, layers, selection, dtypes or
-max tokens) is refused. The manifest records each component's storage dtype; a batch that comes
+folder holding a different run (other model or model files, load format, prompts, components,
+layers, selection, dtypes or max tokens) is refused. The manifest records each component's storage dtype; a batch that comes
 back in another (a resumed run on an engine whose ``auto`` dtype differs) stops the run.
 
 Bad input (missing or empty prompt files, malformed JSONL lines, duplicate prompt ids, unknown

@@ -24,7 +24,8 @@ and, once per shard, ``prompt_length`` int32 ``[prompt_end - prompt_start]``: th
 prompt of the shard (rows with ``position >= prompt_length[prompt]`` are generated rows).
 
 Every layer of a component shares that component's label columns. Label columns are kept per
-component because each component is captured by its own pass over the prompts (see ``cli.py``).
+component, though one generate per batch captures every component (see ``cli.py``), so every
+component holds the same rows.
 Inside a shard, rows are grouped by prompt (ascending index) and ordered by position.
 
 Shards are written to a temporary name and renamed once complete; a shard counts only once
