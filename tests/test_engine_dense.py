@@ -771,6 +771,22 @@ def test_capture_streams_takes_every_stream_from_one_generate(llm, hf):
         assert not capture_status(llm, stream)["enabled"]  # both stopped
 
 
+def test_capture_refuses_an_engine_holding_requests_of_its_own(llm):
+    """vLLM's generate() returns every request that finishes while it runs: a request left
+    queued (enqueue(), or a generate() interrupted by Ctrl-C) would take a prompt's place."""
+    prompts = _prompts(321, [5, 7])
+    llm.enqueue([tokens_prompt(prompts[0])], _sampling(max_tokens=3), use_tqdm=False)
+    try:
+        with pytest.raises(RuntimeError, match="1 unfinished request"):
+            capture(llm, [tokens_prompt(p) for p in prompts])
+        assert not capture_status(llm)["enabled"]
+    finally:
+        left = llm.wait_for_completion(use_tqdm=False)
+    assert len(left) == 1
+    res = capture(llm, [tokens_prompt(p) for p in prompts])
+    assert [len(res.sample_positions(i)) for i in range(2)] == [5, 7]
+
+
 # ---- 12. stop strings ----------------------------------------------------------------------------
 
 def test_capture_ends_a_stop_strings_rows_where_its_output_ends(llm, hf):

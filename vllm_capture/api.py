@@ -561,12 +561,23 @@ def _run_streams(llm, checks: list[_Checked]) -> list[CaptureResult]:
     streams' rows are of the same sequences."""
     first = checks[0]
     params = [_joined_params(ps) for ps in zip(*(c.params for c in checks))]
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None and engine.has_unfinished_requests():
+        # vLLM's generate() returns every request that finishes while it runs, these too (an
+        # interrupted generate() leaves its requests queued; so does enqueue()): their outputs
+        # would take the places of this call's prompts.
+        raise RuntimeError(f"llm holds {engine.get_num_unfinished_requests()} unfinished "
+                           "request(s) (an interrupted generate() or enqueue()): finish them "
+                           "(llm.wait_for_completion()) before capturing")
     started, fetched = [], []
     try:
         for c in checks:
+            started.append(c.stream)  # stopped below even where its start failed on some ranks
             start_capture(llm, c.stream, **c.config)
-            started.append(c.stream)
         outputs = llm.generate(first.prompts, params, use_tqdm=first.use_tqdm)
+        if len(outputs) != len(first.prompts):
+            raise RuntimeError(f"generate() returned {len(outputs)} outputs for "
+                               f"{len(first.prompts)} prompts; the rows cannot be attributed")
         for c in checks:
             tensors, meta, layouts = fetch_captured(llm, c.stream, clear=False)
             status = capture_status(llm, c.stream)
@@ -578,8 +589,7 @@ def _run_streams(llm, checks: list[_Checked]) -> list[CaptureResult]:
                     "or use capture_batches().")
             fetched.append((tensors, meta, layouts, status))
     finally:
-        for stream in started:
-            stop_capture(llm, stream)
+        _stop_streams(llm, started)
     request_ids = [o.request_id for o in outputs]
     # A request's rows are its prompt and every generated token but the last. A stop string is
     # found outside the engine core, which feeds the token that completed it (or a few more)
@@ -592,6 +602,25 @@ def _run_streams(llm, checks: list[_Checked]) -> list[CaptureResult]:
                           grouped_meta, layouts)
         results.append(CaptureResult(grouped, outputs, layouts, c.stream, grouped_meta, offsets))
     return results
+
+
+def _stop_streams(llm, streams: list[str]) -> None:
+    """Stop every stream of ``streams``, each even where another's stop raised; then raise the
+    first error. A stop that raised on a harvest error left its stream on (the error is reported
+    once), so it is tried again."""
+    errors = []
+    for stream in streams:
+        try:
+            stop_capture(llm, stream)
+        except Exception as exc:  # noqa: BLE001 - raised below, after every stream was tried
+            errors.append((stream, exc))
+    for stream, _ in errors:
+        try:
+            stop_capture(llm, stream)
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            pass
+    if errors:
+        raise errors[0][1]
 
 
 def _joined_params(params: tuple) -> Any:
@@ -615,13 +644,23 @@ def capture_streams(llm, prompts: Sequence, layers: Mapping[str, list[int] | Non
     layers (None: all), and ``kwargs`` are ``capture()``'s others, the same for every stream.
     Their rows are of the same sequences, which separate ``capture()`` calls do not promise
     beyond the prompt (another run may decode other tokens)."""
-    if not layers:
-        raise ValueError("layers: name at least one stream")
+    if not isinstance(layers, Mapping) or not layers:
+        raise ValueError(f"layers: name at least one stream, as {{stream: its layers or None}}; "
+                         f"got {layers!r}")
+    if "stream" in kwargs:
+        raise TypeError("stream: capture_streams takes its streams as the keys of layers")
     prompts = _prompt_list(prompts)  # read once, for every stream's check
     if kwargs.get("per_prompt_selects") is not None:
         kwargs["per_prompt_selects"] = _select_list(kwargs["per_prompt_selects"], len(prompts))
-    checks = [_check_call(llm, prompts, stream=stream, layers=stream_layers, **kwargs)
-              for stream, stream_layers in layers.items()]
+    checks = []
+    for stream, stream_layers in layers.items():
+        try:
+            checks.append(_check_call(llm, prompts, stream=stream, layers=stream_layers, **kwargs))
+        except ValueError as exc:
+            message = str(exc)
+            if not message.startswith(("stream:", "layers")):
+                raise
+            raise ValueError(f"layers[{stream!r}]: {message.removeprefix('stream: ')}") from None
     return dict(zip(layers, _run_streams(llm, checks)))
 
 

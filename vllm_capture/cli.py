@@ -947,7 +947,11 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
                                       per_prompt_selects=per_prompt)
             for c, result in results.items():
                 for layer, t in result.layers.items():
-                    check_batch_dtype(manifest, c, layer, dtype_name(t.dtype), (b0, b1))
+                    # A layer no selected row reached is an empty tensor in the engine's dtype,
+                    # which need not be the component's (float32 router logits of a bfloat16
+                    # model): it holds no values, and is stored in the recorded dtype.
+                    if t.shape[0]:
+                        check_batch_dtype(manifest, c, layer, dtype_name(t.dtype), (b0, b1))
                     if layer in widths[c]:
                         widths[c][layer] = int(t.shape[1])
                 for layer, lay in (result.layouts or {}).items():
