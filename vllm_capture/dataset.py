@@ -432,6 +432,7 @@ class CaptureDataset:
         """Hash every finished shard against the manifest, check that each holds what the
         manifest says, and the prompts file against the run; DatasetError on the first
         mismatch."""
+        self._verify_prompts()  # first: the shards' checks read the prompts' selections
         for entry in self._shards:
             file = self.path / entry["file"]
             if not file.is_file():
@@ -442,7 +443,6 @@ class CaptureDataset:
                                    f"manifest's {entry['sha256'][:16]}... (file modified or "
                                    "corrupt)")
             self._verify_shard(entry)
-        self._verify_prompts()
 
     def _verify_shard(self, entry: dict) -> None:
         """A hashed shard's own record of its prompts, its tensors' names, shapes and dtypes,
@@ -498,9 +498,39 @@ class CaptureDataset:
             # Every component holds the rows of the same positions of the same sequences.
             if first_labels is None:
                 first_labels = (component, labels)
+                self._verify_selected_rows(where, start, lengths, fed, labels)
             elif any(not np.array_equal(labels[c], first_labels[1][c]) for c in LABEL_COLUMNS):
                 raise DatasetError(f"{where}: {component}'s label columns differ from "
                                    f"{first_labels[0]}'s")
+
+    def _verify_selected_rows(self, where: str, start: int, lengths: np.ndarray, fed: int,
+                              labels: dict[str, np.ndarray]) -> None:
+        """The rows the run's selection promises each prompt of a shard that has no selection
+        of its own: ``last``, its last prompt row; ``all``, every position from 0, its prompt's
+        and up to ``fed`` generated ones (fewer where it stopped early). A row lost on the way
+        fails here; another selection's rows depend on the tokens, and are not checked."""
+        mode = self.manifest["selection"]["mode"]
+        if mode not in ("last", "all"):
+            return
+        checked = np.array([r.get("select") is None
+                            for r in self.prompts[start:start + lengths.size]], dtype=bool)
+        index = labels["prompt_index"].astype(np.int64) - start
+        counts = np.bincount(index, minlength=lengths.size)
+        firsts = np.cumsum(counts) - counts
+        if mode == "last":
+            wrong = counts != 1
+            wrong[~wrong] = labels["position"][firsts[~wrong]] != lengths[~wrong] - 1
+        else:
+            wrong = (counts < lengths) | (counts > lengths + fed)
+            offset = labels["position"] - (np.arange(index.size) - firsts[index])
+            wrong |= np.bincount(index, weights=offset != 0, minlength=lengths.size) > 0
+        bad = np.flatnonzero(wrong & checked)
+        if bad.size:
+            k = int(bad[0])
+            rows = labels["position"][firsts[k]:firsts[k] + counts[k]].tolist()
+            raise DatasetError(f"{where}: prompt {start + k} ({lengths[k]} tokens) has rows at "
+                               f"positions {rows[:8]}{'...' if len(rows) > 8 else ''}, not what "
+                               f"selection {mode!r} keeps")
 
     def _verify_prompts(self) -> None:
         records = self.prompts
