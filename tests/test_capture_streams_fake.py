@@ -23,17 +23,17 @@ class FakeLLM:
     rows only; max_tokens=1) under the engine-internal id ``{id}-0000000a``."""
 
     def __init__(self, *, model_dtype=torch.float32, stream_dtypes=None, fail_start=None,
-                 fail_generate=False, fail_stop_once=None, dropped=None, leftover=0):
+                 fail_generate=False, fail_stop_once=None, dropped=None, leftover=0,
+                 unreported=0):
         self.on, self.rows, self.log = {}, {}, []
         self.model_config = SimpleNamespace(dtype=model_dtype, max_model_len=100)
         self.stream_dtypes = stream_dtypes or {}
         self.fail_start, self.fail_generate = fail_start, fail_generate
         self.fail_stop_once, self.dropped = fail_stop_once, dropped or {}
         self.leftover = leftover  # requests an interrupted generate() left queued
+        self.unreported = unreported  # requests another thread added while generate() ran
         self.next_id = 100
-        self.llm_engine = SimpleNamespace(
-            has_unfinished_requests=lambda: self.leftover > 0,
-            get_num_unfinished_requests=lambda: self.leftover)
+        self.llm_engine = SimpleNamespace(get_num_unfinished_requests=lambda: self.leftover)
 
     def get_tokenizer(self):
         return lambda texts, add_special_tokens=True: {"input_ids": [_tokens(t) for t in texts]}
@@ -44,7 +44,7 @@ class FakeLLM:
             raise KeyboardInterrupt
         outs = [SimpleNamespace(request_id=str(i), prompt_token_ids=[1, 2],
                                 outputs=[SimpleNamespace(token_ids=[3])])
-                for i in range(self.leftover)]
+                for i in range(self.leftover + self.unreported)]
         for prompt, p in zip(prompts, params):
             rid, toks = str(self.next_id), _tokens(prompt)
             self.next_id += 1
@@ -115,17 +115,26 @@ def test_every_stream_gets_its_rows_and_the_selects_of_every_stream():
     assert llm.on == {} and llm.log.count(("generate", 3)) == 1
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    (dict(fail_start=vc.ATTENTION_HEADS), ValueError),
-    (dict(fail_generate=True), KeyboardInterrupt),
-    (dict(dropped={vc.ATTENTION_HEADS: 2}), RuntimeError),  # not only the first stream's count
-    (dict(fail_stop_once=vc.HIDDEN_STATES), RuntimeError),  # the others are stopped all the same
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(fail_start=vc.ATTENTION_HEADS), ValueError, "not available"),
+    (dict(fail_generate=True), KeyboardInterrupt, None),
+    # Not only the first stream's count.
+    (dict(dropped={vc.ATTENTION_HEADS: 2}), RuntimeError, "attention_heads dropped 2 row"),
+    # The others are stopped all the same, and the failed one again.
+    (dict(fail_stop_once=vc.HIDDEN_STATES), RuntimeError, "harvest failed"),
+    # A stop that fails after another error leaves that error to report.
+    (dict(fail_generate=True, fail_stop_once=vc.HIDDEN_STATES), KeyboardInterrupt, None),
+    (dict(dropped={vc.ATTENTION_HEADS: 2}, fail_stop_once=vc.HIDDEN_STATES), RuntimeError,
+     "dropped 2 row"),
+    (dict(unreported=1), RuntimeError, "generate\\(\\) returned 3 outputs for 2 prompts"),
 ])
-def test_every_stream_is_stopped_whatever_fails(kwargs, error):
+def test_every_stream_is_stopped_whatever_fails(kwargs, error, message):
     llm = FakeLLM(**kwargs)
-    with pytest.raises(error):
+    with pytest.raises(error, match=message):
         vc.capture_streams(llm, ["a b", "c"], STREAMS)
     assert llm.on == {}
+    # A stream whose start failed is stopped too (it may have started on some ranks).
+    assert {stream for kind, stream in llm.log if kind == "stop"} == set(STREAMS)
 
 
 def test_requests_an_interrupted_generate_left_are_refused_before_any_start():

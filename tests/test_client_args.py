@@ -118,7 +118,7 @@ def test_capture_refuses_a_stream_that_is_already_on(call):
 
 def test_capture_streams_checks_every_stream_before_starting_any():
     llm = _EncodingEngine({"tp_rank": 0, "enabled": False})
-    with pytest.raises(ValueError, match="^stream: unknown 'nonsense'"):
+    with pytest.raises(ValueError, match=r"^layers\['nonsense'\]: unknown 'nonsense'"):
         vc.capture_streams(llm, ["a"], {vc.HIDDEN_STATES: None, "nonsense": None})
     with pytest.raises(ValueError, match="^layers: name at least one stream"):
         vc.capture_streams(llm, ["a"], {})

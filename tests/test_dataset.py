@@ -475,6 +475,17 @@ def test_verify_finds_a_prompt_that_lost_rows_its_selection_keeps(tmp_path, monk
         load_dataset(out, verify=True)
 
 
+def test_verify_finds_a_last_row_at_another_position(tmp_path, monkeypatch):
+    """One row a prompt, in order and inside the prompt: only `last`'s promise is broken."""
+    monkeypatch.setattr(api, "capture", relabelled_capture("hidden_states", "positions",
+                                                           lambda t: t * 0))
+    out = tmp_path / "ds"
+    run(out, prompts=PROMPTS[:2], components=["hidden_states"], select="last")
+    load_dataset(out).close()
+    with pytest.raises(DatasetError, match=r"prompt 0 \(4 tokens\) has rows at positions \[0\]"):
+        load_dataset(out, verify=True)
+
+
 def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):
     full = tmp_path / "full"
     run(full)

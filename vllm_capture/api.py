@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,8 @@ from vllm_capture.session import shm
 from vllm_capture.session.components import ATTENTION_HEADS, COMPONENTS, HIDDEN_STATES
 from vllm_capture.session.session import EXTRA_ARGS_KEY
 from vllm_capture.session.wire import CaptureMeta, deserialize_captured, match_capture_request_id
+
+logger = logging.getLogger("vllm_capture")
 
 
 def LLM(model: str, *, capture_components: Sequence[str] = COMPONENTS,
@@ -562,13 +565,15 @@ def _run_streams(llm, checks: list[_Checked]) -> list[CaptureResult]:
     first = checks[0]
     params = [_joined_params(ps) for ps in zip(*(c.params for c in checks))]
     engine = getattr(llm, "llm_engine", None)
-    if engine is not None and engine.has_unfinished_requests():
-        # vLLM's generate() returns every request that finishes while it runs, these too (an
-        # interrupted generate() leaves its requests queued; so does enqueue()): their outputs
-        # would take the places of this call's prompts.
-        raise RuntimeError(f"llm holds {engine.get_num_unfinished_requests()} unfinished "
-                           "request(s) (an interrupted generate() or enqueue()): finish them "
-                           "(llm.wait_for_completion()) before capturing")
+    # vLLM's generate() returns every request that finishes while it runs, these too (an
+    # interrupted generate() leaves its requests queued; so does enqueue()): their outputs would
+    # take the places of this call's prompts. (This engine's count: has_unfinished_requests()
+    # is a collective over data-parallel ranks.)
+    unfinished = engine.get_num_unfinished_requests() if engine is not None else 0
+    if unfinished:
+        raise RuntimeError(f"llm holds {unfinished} unfinished request(s) (an interrupted "
+                           "generate() or enqueue()): finish them (llm.wait_for_completion()) "
+                           "before capturing")
     started, fetched = [], []
     try:
         for c in checks:
@@ -588,8 +593,15 @@ def _run_streams(llm, checks: list[_Checked]) -> list[CaptureResult]:
                     "incomplete. Raise budget_rows or capture_buffer_bytes, capture fewer rows, "
                     "or use capture_batches().")
             fetched.append((tensors, meta, layouts, status))
-    finally:
-        _stop_streams(llm, started)
+    except BaseException as exc:
+        # The error in flight (a Ctrl-C, dropped rows) is the one to report, not a stop's.
+        try:
+            _stop_streams(llm, started)
+        except Exception as stop_error:  # noqa: BLE001
+            logger.warning("vllm-capture: stopping the streams after %r failed too: %r", exc,
+                           stop_error)
+        raise
+    _stop_streams(llm, started)
     request_ids = [o.request_id for o in outputs]
     # A request's rows are its prompt and every generated token but the last. A stop string is
     # found outside the engine core, which feeds the token that completed it (or a few more)
@@ -660,7 +672,7 @@ def capture_streams(llm, prompts: Sequence, layers: Mapping[str, list[int] | Non
             message = str(exc)
             if not message.startswith(("stream:", "layers")):
                 raise
-            raise ValueError(f"layers[{stream!r}]: {message.removeprefix('stream: ')}") from None
+            raise ValueError(f"layers[{stream!r}]: {message.removeprefix('stream: ')}") from exc
     return dict(zip(layers, _run_streams(llm, checks)))
 
 

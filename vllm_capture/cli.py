@@ -618,8 +618,10 @@ class _Buffer:
             self.nbytes += arr.nbytes
         for layer in self.layers[component]:
             t = result.layers.get(layer)
-            if t is None:
-                if n:
+            if t is None or not n:
+                # An empty layer comes in the engine's dtype, which need not be the component's
+                # (float32 router logits of a bfloat16 model): the shard makes its own.
+                if t is None and n:
                     raise RuntimeError(f"{component}: capture returned no rows for layer {layer}")
                 continue
             t = t.contiguous()
@@ -949,7 +951,7 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
                 for layer, t in result.layers.items():
                     # A layer no selected row reached is an empty tensor in the engine's dtype,
                     # which need not be the component's (float32 router logits of a bfloat16
-                    # model): it holds no values, and is stored in the recorded dtype.
+                    # model): it holds no values, and is not buffered (_Buffer.add).
                     if t.shape[0]:
                         check_batch_dtype(manifest, c, layer, dtype_name(t.dtype), (b0, b1))
                     if layer in widths[c]:

@@ -498,17 +498,18 @@ class CaptureDataset:
             # Every component holds the rows of the same positions of the same sequences.
             if first_labels is None:
                 first_labels = (component, labels)
-                self._verify_selected_rows(where, start, lengths, fed, labels)
+                self._verify_selected_rows(where, start, lengths, labels)
             elif any(not np.array_equal(labels[c], first_labels[1][c]) for c in LABEL_COLUMNS):
                 raise DatasetError(f"{where}: {component}'s label columns differ from "
                                    f"{first_labels[0]}'s")
 
-    def _verify_selected_rows(self, where: str, start: int, lengths: np.ndarray, fed: int,
+    def _verify_selected_rows(self, where: str, start: int, lengths: np.ndarray,
                               labels: dict[str, np.ndarray]) -> None:
         """The rows the run's selection promises each prompt of a shard that has no selection
-        of its own: ``last``, its last prompt row; ``all``, every position from 0, its prompt's
-        and up to ``fed`` generated ones (fewer where it stopped early). A row lost on the way
-        fails here; another selection's rows depend on the tokens, and are not checked."""
+        of its own: ``last``, its last prompt row; ``all``, every position from 0, through its
+        prompt at least (``_verify_shard`` bounds the generated ones; fewer where it stopped
+        early). A row lost on the way fails here; another selection's rows depend on the
+        tokens, and are not checked."""
         mode = self.manifest["selection"]["mode"]
         if mode not in ("last", "all"):
             return
@@ -521,7 +522,7 @@ class CaptureDataset:
             wrong = counts != 1
             wrong[~wrong] = labels["position"][firsts[~wrong]] != lengths[~wrong] - 1
         else:
-            wrong = (counts < lengths) | (counts > lengths + fed)
+            wrong = counts < lengths
             offset = labels["position"] - (np.arange(index.size) - firsts[index])
             wrong |= np.bincount(index, weights=offset != 0, minlength=lengths.size) > 0
         bad = np.flatnonzero(wrong & checked)
