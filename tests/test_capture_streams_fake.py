@@ -157,10 +157,12 @@ def test_extract_stores_a_batch_without_rows_of_a_component_in_another_dtype(tmp
         out = tmp_path / "-".join(order[0].split())
         prompts = [Prompt(i, str(i), text, own) for i, text in enumerate(order)]
         extract(llm, prompts, out, model="fake", components=["hidden_states", "router_logits"],
-                select="last", batch_size=1, progress=False)
+                select="last", batch_size=1, shard_rows=1, progress=False)
         ds = load_dataset(out, verify=True)
         assert ds.manifest["dtypes"] == {"hidden_states": "bfloat16", "router_logits": "float32"}
         assert ds.num_rows("router_logits") == 1
+        # A shard of the batch without rows stores them empty in the component's dtype too.
+        assert {rows.dtype for rows, _ in ds.iter_shards("router_logits", 0)} == {torch.float32}
 
 
 @pytest.mark.parametrize("layers, kwargs, error, message", [
