@@ -930,9 +930,12 @@ def test_a_model_rewritten_in_place_is_another_run(tmp_path):
     model = _model_folder(tmp_path / "model", bytes(weights))
     out = tmp_path / "ds"
     run(out, model=str(model))
-    # The same bytes written again, and a file the engine does not read: the same run.
+    # The same bytes written again, and files vLLM does not load (a PyTorch copy beside the
+    # safetensors, a trainer's state, a licence): the same run.
     (model / "model.safetensors").write_bytes(bytes(weights))
     (model / "README.md").write_text("edited")
+    for name in ("LICENSE.txt", "pytorch_model.bin", "optimizer.pt", "trainer_state.json"):
+        (model / name).write_bytes(b"not read")
     assert run(out, model=str(model))["prompts"] == 0
     # New weights of the same size (a block that a sample reads), or a changed config: refused.
     changed = bytearray(weights)
@@ -945,11 +948,14 @@ def test_a_model_rewritten_in_place_is_another_run(tmp_path):
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
     with pytest.raises(UsageError, match="differs in: model_files_sha256"):
         run(out, model=str(model))
-    # A dataset written before the fingerprint hashed the model's files resumes unchecked.
+    # A dataset written before the fingerprint hashed the model's files, or by a run that did
+    # not find them, resumes unchecked.
     manifest = json.loads((out / "manifest.json").read_text())
-    del manifest["run"]["model_files_sha256"]
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    assert run(out, model=str(model))["prompts"] == 0
+    for unknown in ({}, {"model_files_sha256": None}):
+        manifest["run"].pop("model_files_sha256", None)
+        manifest["run"].update(unknown)
+        (out / "manifest.json").write_text(json.dumps(manifest))
+        assert run(out, model=str(model))["prompts"] == 0
 
 
 def test_model_files_sha256_reads_small_weight_files_whole(tmp_path):
@@ -957,4 +963,14 @@ def test_model_files_sha256_reads_small_weight_files_whole(tmp_path):
     before = cli.model_files_sha256(str(model))
     (model / "model.safetensors").write_bytes(b"\0" * 999 + b"\1")
     assert cli.model_files_sha256(str(model)) != before
+    # PyTorch weights count where there are no safetensors, a trainer's state never.
+    (model / "model.safetensors").unlink()
+    (model / "pytorch_model.bin").write_bytes(b"weights")
+    bin_only = cli.model_files_sha256(str(model))
+    (model / "training_args.bin").write_bytes(b"arguments")
+    assert cli.model_files_sha256(str(model)) == bin_only
+    (model / "pytorch_model.bin").write_bytes(b"other weights")
+    assert cli.model_files_sha256(str(model)) != bin_only
+    # Models whose files are not here: a Hub id never downloaded, a label naming no folder.
     assert cli.model_files_sha256("not-a-downloaded-model") is None
+    assert cli.model_files_sha256("./checkpoints/step-1000") is None

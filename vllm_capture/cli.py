@@ -35,8 +35,9 @@ Resuming: shards are written under a temporary name and renamed once complete; `
 covers. Rerunning the same command resumes after the last finished shard; files an interrupted run
 left behind (temporary or unlisted shards) are removed first, so rows are never duplicated. A
 folder holding a different run (other model or model files, load format, prompts, components,
-layers, selection, dtypes or max tokens) is refused. The manifest records each component's storage dtype; a batch that comes
-back in another (a resumed run on an engine whose ``auto`` dtype differs) stops the run.
+layers, selection, dtypes or max tokens) is refused. The manifest records each component's
+storage dtype; a batch that comes back in another (a resumed run on an engine whose ``auto``
+dtype differs) stops the run.
 
 Bad input (missing or empty prompt files, malformed JSONL lines, duplicate prompt ids, unknown
 components or layers, invalid selections or ones that cannot select a row at ``--max-tokens``, a
@@ -59,7 +60,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, get_args
 
 from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFEST, PROMPT_LENGTH,
                                   PROMPTS_FILE, SHARD_PREFIX, DatasetError, dtype_name,
@@ -397,34 +398,52 @@ def model_config(model: str) -> dict | None:
         return None
 
 
-# The files whose bytes make a model's rows: weights (read in samples: a retrained checkpoint
-# changes nearly every block of them) and its config and tokenizer (read whole).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_WHOLE_SUFFIXES = (".json", ".model", ".txt", ".tiktoken")
+# The files whose bytes make a model's rows, as vLLM loads them: the weights (safetensors where
+# there are any, else PyTorch files, a trainer's own state left out) and the config and tokenizer.
+_CONFIG_FILES = frozenset({
+    "config.json", "params.json", "generation_config.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model"})
+_TRAINER_FILES = ("optimizer", "scheduler", "training_args", "rng_state")
+# Weight files are read in samples: a retrained or newly saved checkpoint changes nearly every
+# block of them, and reading a 16 GB checkpoint whole at each start would take tens of seconds.
 WEIGHT_SAMPLES = 64
 WEIGHT_SAMPLE_BYTES = 4096
 
 
+def _model_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """``(config and tokenizer files, weight files)`` of a model folder, by name."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    configs = [p for p in files if p.name in _CONFIG_FILES or p.suffix == ".tiktoken"]
+    weights = [p for p in files if p.suffix == ".safetensors"] or [
+        p for p in files if p.suffix in (".bin", ".pt", ".pth")
+        and not p.name.startswith(_TRAINER_FILES)]
+    return configs, weights
+
+
 def model_files_sha256(model: str) -> str | None:
-    """A digest of the model's files: the top folder's config, tokenizer and weight files (names,
-    sizes, the small ones' bytes and ``WEIGHT_SAMPLES`` evenly spaced blocks of each weight file),
-    so a checkpoint rewritten in place no longer matches, where the same bytes written again
-    (a copy back, a new download) still do. None where the files are not here (a model the
-    engine will download)."""
-    location = _model_location(model)
+    """A digest of the model's files: its config and tokenizer files whole, and its weight
+    files by name, size and ``WEIGHT_SAMPLES`` evenly spaced blocks (whole where smaller). A
+    checkpoint retrained or saved anew in place no longer matches; an edit of a few tensors may
+    (it can fall between the blocks). None where the files are not here (a model the engine will
+    download, or ``model`` as a label only)."""
+    try:
+        location = _model_location(model)
+    except UsageError:  # a label naming no folder here: extract() takes model as a label
+        return None
     if location is None:
         return None
-    read = _WEIGHT_SUFFIXES + _WHOLE_SUFFIXES
-    files = [location] if location.is_file() else sorted(
-        p for p in location.iterdir() if p.is_file() and p.suffix in read)
+    configs, weights = ([], [location]) if location.is_file() else _model_files(location)
     digest = hashlib.sha256()
-    for path in files:
+    for path in configs:
+        digest.update(f"{path.name}\0{sha256_file(path)}\0".encode())
+    for path in weights:
         size = path.stat().st_size
         digest.update(f"{path.name}\0{size}\0".encode())
+        if size <= WEIGHT_SAMPLES * WEIGHT_SAMPLE_BYTES:
+            digest.update(sha256_file(path).encode())
+            continue
         with open(path, "rb") as f:
-            if path.suffix not in _WEIGHT_SUFFIXES or size <= WEIGHT_SAMPLES * WEIGHT_SAMPLE_BYTES:
-                digest.update(f.read())
-                continue
             last = size - WEIGHT_SAMPLE_BYTES
             for i in range(WEIGHT_SAMPLES):
                 f.seek(i * last // (WEIGHT_SAMPLES - 1))
@@ -500,12 +519,13 @@ def check_output(out: str | os.PathLike, fingerprint: dict) -> dict | None:
         manifest = load_dataset(out).manifest
     except DatasetError as exc:
         raise UsageError(f"--out: {exc}") from None
-    # A run written before the fingerprint named its load format used the checkpoint's weights;
-    # one written before it hashed the model's files is not checked for them.
-    previous = {"load_format": "auto", "model_files_sha256": fingerprint["model_files_sha256"],
-                **manifest.get("run", {})}
+    # A run written before the fingerprint named its load format used the checkpoint's weights.
+    previous = {"load_format": "auto", **manifest.get("run", {})}
+    # The model's files are checked where both runs found them (older runs did not hash them).
+    files_checked = bool(previous.get("model_files_sha256") and fingerprint["model_files_sha256"])
     differs = [k for k in sorted(set(previous) | set(fingerprint))
-               if previous.get(k) != fingerprint.get(k)]
+               if previous.get(k) != fingerprint.get(k)
+               and (k != "model_files_sha256" or files_checked)]
     if differs:
         raise UsageError(f"--out: {out} holds a different run (differs in: {', '.join(differs)}); "
                          "use another --out folder or remove this one")
@@ -734,11 +754,9 @@ def plan_run(prompts: Sequence, *, components=(HIDDEN_STATES,), layers=None, sel
 
 def engine_dtypes() -> tuple[str, ...]:
     """The model dtypes vLLM takes by name (its ``ModelDType``)."""
-    import typing
-
     from vllm.config.model import ModelDType
 
-    return tuple(a for a in typing.get_args(ModelDType) if isinstance(a, str))
+    return tuple(a for a in get_args(ModelDType) if isinstance(a, str))
 
 
 def check_prompt_lengths(llm, prompts: Sequence[Prompt], chunk: int = 1024) -> None:
