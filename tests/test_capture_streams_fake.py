@@ -78,8 +78,9 @@ def fake_rpcs(monkeypatch):
         llm.rows.pop(stream, None)
 
     def status(llm, stream="hidden_states", all_ranks=False):
+        dtype = str(llm.stream_dtypes.get(stream, llm.model_config.dtype)).removeprefix("torch.")
         return {"enabled": stream in llm.on, "tokens_dropped": llm.dropped.get(stream, 0),
-                "layouts": {0: {"width": 2}, 1: {"width": 2}}}
+                "layouts": {0: {"width": 2}, 1: {"width": 2}}, "dtypes": {0: dtype, 1: dtype}}
 
     def fetch(llm, stream="hidden_states", clear=True, layers=None, req_ids=None):
         rows = llm.rows.get(stream, [])
@@ -142,6 +143,20 @@ def test_requests_an_interrupted_generate_left_are_refused_before_any_start():
     with pytest.raises(RuntimeError, match="unfinished"):
         vc.capture_streams(llm, ["a b", "c"], STREAMS)
     assert [entry for entry in llm.log if entry[0] == "start"] == []
+
+
+def test_a_layer_no_row_reached_comes_in_the_dtype_its_rows_would_have():
+    llm = FakeLLM(model_dtype=torch.bfloat16, stream_dtypes={"router_logits": torch.float32})
+    none = vc.SelectSpec(prompt_tokens=(_tokens("?")[0],))
+    res = vc.capture_streams(llm, ["no question here"], {"router_logits": None,
+                                                          vc.HIDDEN_STATES: [1]}, select=none)
+    assert {layer: t.dtype for layer, t in res["router_logits"].layers.items()} == {
+        0: torch.float32, 1: torch.float32}
+    assert res[vc.HIDDEN_STATES].layers[1].dtype == torch.bfloat16
+    assert all(t.shape[0] == 0 for r in res.values() for t in r.layers.values())
+    res = vc.capture_streams(llm, ["no question here"], {"router_logits": None}, select=none,
+                             dtype="float16")  # the stream's own dtype, where it sets one
+    assert {t.dtype for t in res["router_logits"].layers.values()} == {torch.float16}
 
 
 def test_extract_stores_a_batch_without_rows_of_a_component_in_another_dtype(tmp_path):

@@ -102,6 +102,9 @@ def _quick_capture_ok(llm) -> None:
     check_result_labels(res, [fed], [range(len(fed))])
     status = capture_status(llm)
     assert status["enabled"] is False
+    # Each layer's storage dtype, which a layer no selected row reaches is given.
+    assert status["dtypes"] == {layer: str(res.layers[layer].dtype).removeprefix("torch.")
+                                for layer in range(NUM_LAYERS)}
     # What capture added to the start, timed at model load (on CUDA also the kernels' compile
     # thread and the wait for it at graph capture; the CPU has no kernels to compile).
     startup = status["startup_ms"]

@@ -697,6 +697,17 @@ def test_capacity_cuts_are_counted_per_step(rng, capacity, spec, count):
             assert total_stored + total_dropped == len(everything)
 
 
+def test_stream_status_names_each_layers_storage_dtype():
+    """The site's dtype (float16 heads beside float32 hidden states here), or the stream's own
+    once it sets one: what a layer's rows are stored in, so an empty result layer can be too."""
+    engine = Engine()
+    assert engine.session.stream_status(AH)["dtypes"] == {0: "float16", 1: "float16"}
+    assert engine.session.stream_status(HS)["dtypes"] == {0: "float32", 1: "float32",
+                                                          2: "float32"}
+    engine.session.enable_stream(AH, dtype="bf16")
+    assert engine.session.stream_status(AH)["dtypes"] == {0: "bfloat16", 1: "bfloat16"}
+
+
 def test_capacity_example_with_stream_status():
     """Three prompts of 4 rows each in one step, capacity 5: 5 stored, 7 dropped."""
     engine = Engine(capacity=5)

@@ -153,11 +153,12 @@ def capture_status(llm, stream: str = HIDDEN_STATES, all_ranks: bool = False):
 
 
 def _by_rank(replies: list[dict]) -> list[dict]:
-    """Status replies in rank order, their layouts keyed by int layer id (JSON, from a
-    ``Server``, carries the keys as strings)."""
+    """Status replies in rank order, their layouts and dtypes keyed by int layer id (JSON, from
+    a ``Server``, carries the keys as strings)."""
     for reply in replies:
-        if isinstance(reply.get("layouts"), dict):
-            reply["layouts"] = {int(k): v for k, v in reply["layouts"].items()}
+        for key in ("layouts", "dtypes"):
+            if isinstance(reply.get(key), dict):
+                reply[key] = {int(k): v for k, v in reply[key].items()}
     return sorted(replies, key=lambda r: r.get("tp_rank", 0))
 
 
@@ -688,7 +689,8 @@ def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | N
                if layer in known and layer not in grouped]
     if not missing:
         return
-    empty_dtype = llm.model_config.dtype if dtype is None else resolve_storage_dtype(dtype)
+    # The stream's dtype, else each layer's as its worker stores it (older workers: the model's).
+    dtypes = status.get("dtypes") or {}
     ranks = [status]
     if stream == ATTENTION_HEADS and int(status.get("tp_size", 1)) > 1:
         ranks = capture_status(llm, stream, all_ranks=True)
@@ -697,6 +699,8 @@ def _add_empty_layers(llm, stream: str, layers: list[int] | None, dtype: str | N
             layout = _joined_heads_layout([r["layouts"][layer] for r in ranks])
         else:
             layout = dict(known[layer])
+        name = dtype or dtypes.get(layer)
+        empty_dtype = llm.model_config.dtype if name is None else resolve_storage_dtype(name)
         grouped[layer] = torch.empty((0, layout["width"]), dtype=empty_dtype)
         grouped_meta[layer] = CaptureMeta([], torch.empty(0, dtype=torch.int32),
                                           torch.empty(0, dtype=torch.int32))

@@ -37,6 +37,11 @@ _REDUCTIONS = ("all", "last", "mean")
 _warned_unbounded = False
 
 
+def storage_dtype_name(dtype: torch.dtype) -> str:
+    """The name a storage dtype goes by on the wire and in status (``bfloat16``)."""
+    return _DTYPE_NAMES[dtype]
+
+
 def resolve_storage_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a user's storage dtype spelling to one the wire can carry.
 

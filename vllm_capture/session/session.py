@@ -38,7 +38,7 @@ from vllm_capture.selection import (
     plan_segments,
 )
 from vllm_capture.session.components import COMPONENTS
-from vllm_capture.session.config import StreamConfig
+from vllm_capture.session.config import StreamConfig, storage_dtype_name
 from vllm_capture.session.shm import WRITE_PARTS
 from vllm_capture.session.store import StreamStore, check_fetch_filters
 
@@ -407,6 +407,7 @@ class CaptureSession:
         }
         st = self._streams[stream]
         hooked = len(self.hooked_layers(stream))
+        execution["dtypes"] = self._storage_dtypes(stream, st)
         if st is None:
             return {"enabled": False, "hooked_layers": hooked, **execution}
         self._wait_harvest()
@@ -428,6 +429,16 @@ class CaptureSession:
             "pending_reductions": len(st.slots),
             **execution,
         }
+
+    def _storage_dtypes(self, stream: str, st: Stream | None) -> dict[int, str]:
+        """Each instrumented layer's storage dtype: the stream's own, else its site's ring's (the
+        activation's: a float32 router beside a bfloat16 model), so that a result can hold an
+        empty layer in the dtype its rows would have had."""
+        if self.graph_state is None:
+            return {}
+        own = None if st is None else st.config.dtype
+        return {site.layer_id: storage_dtype_name(own or site.dtype)
+                for site in self.graph_state.sites_of(stream)}
 
     # ---- counters -------------------------------------------------------------------------------
 
