@@ -400,6 +400,45 @@ def test_an_empty_store_copies_an_append_larger_than_adopt_bytes(monkeypatch):
     assert _fetch(store)[0][1] == [("a", 7), ("b", 9)]
 
 
+@pytest.mark.parametrize("fetch", ["layers", "drop_layers", "req_ids"])
+def test_chunks_left_on_a_drains_buffer_are_copied_out_once_they_hold_under_half(fetch):
+    """A drain hands every layer a view of one host buffer. Fetching most layers away must not
+    leave the rest holding the whole buffer alive (uncounted: bytes_stored counts the views)."""
+    store = StreamStore(StreamConfig())
+    rows = [(store.request_index(r), 7) for r in "abc"]
+    layers = range(4)
+    block = torch.stack([_interleaved(rows, layer)[0] for layer in layers])
+    meta = _interleaved(rows)[1]
+    store.append_layers({k: block[k] for k in layers}, meta, {k: f"l{k}" for k in layers},
+                        adopt=True)
+    want = _fetch(store)[1]
+    buffer = block.untyped_storage().data_ptr()
+
+    def on_buffer():
+        return [layer for layer in store.chunks for t in _adopted(store, layer)
+                if t.untyped_storage().data_ptr() == buffer]
+
+    def take(some):
+        if fetch == "layers":
+            _fetch(store, layers=some, clear_selected=True)
+        else:
+            store.drop_layers(some)
+
+    if fetch == "req_ids":  # most of every layer's rows: each chunk compacts into its own copy
+        _fetch(store, req_ids=["a", "b"], clear_selected=True)
+        assert on_buffer() == []
+    else:
+        take([0, 1])  # half the buffer left: it stays
+        assert on_buffer() == [2, 3]
+        take([2])  # a quarter: copied out
+        assert on_buffer() == []
+    got = _fetch(store)
+    assert all(torch.equal(got[1][layer], want[layer][-got[1][layer].shape[0]:])
+               for layer in got[1])
+    assert store.bytes_stored == sum(t.nbytes + c.meta.nbytes for layer in store.chunks
+                                     for c in store.chunks[layer].values() for t in [c.tensor])
+
+
 @pytest.mark.parametrize("why", ["reordered", "cast", "budget", "failed request"])
 def test_adopt_still_copies_rows_it_cannot_keep_as_they_are(why):
     store = StreamStore(StreamConfig(budget_rows=1 if why == "budget" else 10,
@@ -1209,3 +1248,14 @@ def test_a_large_append_copies_its_layers_on_threads_to_the_same_rows(monkeypatc
     for layer in range(layers):
         assert tensors_a[layer].dtype == tensors_b[layer].dtype
         assert tensors_a[layer].view(torch.uint8).equal(tensors_b[layer].view(torch.uint8))
+
+
+def test_clear_keeps_the_failures_of_requests_still_running():
+    """Given as any iterable (a generator is read once)."""
+    store = StreamStore(StreamConfig(budget_rows=10))
+    for req_id in "abc":
+        store.fail_request(req_id, f"{req_id} failed")
+    store.clear(still_failed=(r for r in ["b", "a"]))
+    assert store.status()["failed_reqs"] == 2
+    with pytest.raises(RuntimeError, match="'a', 'a failed'"):
+        store.serialize()

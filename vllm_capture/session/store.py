@@ -253,6 +253,9 @@ class StreamStore:
     live rows, even when long-lived requests share chunks with drained ones,
     at the price of re-copying survivors (a geometric series: at most about
     one extra copy of each row over its lifetime). Budgets count live rows.
+    Adopted layers of one drain are views of one host buffer: once the chunks
+    left on it hold less than half of it, they are copied out, so the bound
+    holds for the buffer too.
 
     Request labels are small ints so the device-side planner can write them
     into int32 columns; ``request_index`` hands them out and recycles them.
@@ -314,6 +317,9 @@ class StreamStore:
         self._layer_dtypes: dict[int, set[torch.dtype]] = {}
         # Bytes of every chunk's storage, dead rows awaiting compaction included.
         self._bytes_stored = 0
+        # Host buffers that several adopted chunks are views of (a drain copies every layer of a
+        # ring group in one piece): buffer's data pointer -> (its bytes, (layer, chunk id) keys).
+        self._shared: dict[int, tuple[int, set[tuple[int, int]]]] = {}
         # Rows cut before the store (device ring) and by the budget. Every layer of one append
         # holds the same rows, so a row the budget cuts in any of them counts once, in the append
         # that cut it: layers' budgets part once a fetch clears some layers and not others.
@@ -588,6 +594,29 @@ class StreamStore:
         self._live[chunk.reqs] += chunk.lens  # reqs are distinct
         self._layer_rows[layer_id] = self._layer_rows.get(layer_id, 0) + chunk.rows
         self._bytes_stored += chunk.nbytes
+        storage = chunk.tensor.untyped_storage()
+        if storage.nbytes() > _nbytes(chunk.tensor):
+            self._shared.setdefault(storage.data_ptr(), (storage.nbytes(), set()))[1].add(
+                (layer_id, chunk_id))
+
+    def _unshare(self, layer_id: int, chunk_id: int, chunk: _Chunk) -> None:
+        """``chunk`` leaves its host buffer (freed, compacted): copy the chunks left on the buffer
+        out once they hold less than half of it, so that they do not keep it all alive."""
+        entry = self._shared.get(chunk.tensor.untyped_storage().data_ptr())
+        if entry is None:
+            return
+        size, keys = entry
+        keys.discard((layer_id, chunk_id))
+        left = [self.chunks[layer][key] for layer, key in keys]
+        if 2 * sum(_nbytes(c.tensor) for c in left) >= size:
+            return
+        del self._shared[chunk.tensor.untyped_storage().data_ptr()]
+        for kept in left:
+            try:
+                kept.set_rows(kept.tensor.clone(), kept.meta)
+            except (MemoryError, RuntimeError):
+                logger.warning("vllm-capture: no host memory to copy a chunk out of its drain's "
+                               "buffer; the buffer stays")
 
     def _check_rows(
         self, layer_id: Any, tensor: Any, meta: Any, layer_name: Any
@@ -902,6 +931,7 @@ class StreamStore:
                 del layer[chunk_id]
                 unindexed.pop(chunk_id, None)
                 self._bytes_stored -= chunk.nbytes
+                self._unshare(layer_id, chunk_id, chunk)
             elif 2 * chunk.live_rows < chunk.rows:
                 self._compact(layer_id, chunk_id, chunk)
         if not layer:
@@ -934,6 +964,7 @@ class StreamStore:
             # layers cleared and others not. Without room for the copy, the chunk stays sparse.
             logger.warning("vllm-capture: no host memory to compact a chunk; it stays sparse")
             return
+        self._unshare(layer_id, chunk_id, chunk)
         chunk.set_rows(tensor, meta)
         chunk.reqs, chunk.starts, chunk.lens = chunk.reqs[slots], starts, lens
         chunk.live = np.ones(slots.size, dtype=bool)
@@ -1053,6 +1084,7 @@ class StreamStore:
         self._live[chunk.reqs] -= chunk.lens  # reqs are distinct
         self._bytes_stored -= chunk.nbytes
         self._forget_layer(layer_id)
+        self._unshare(layer_id, chunk_id, chunk)
 
     def _wanted_layers(self, layers: list[int] | None) -> list[int]:
         if layers is None:
@@ -1103,8 +1135,10 @@ class StreamStore:
         captured) stay.
         """
         with self.lock:
+            still_failed = set(still_failed)  # read once: an iterator would be spent by one test
             kept = {r: why for r, why in self._failed_requests.items() if r in still_failed}
             self.chunks.clear()
+            self._shared.clear()
             self._unindexed.clear()
             self.layer_names.clear()
             self._layer_rows.clear()
