@@ -400,8 +400,9 @@ def test_an_empty_store_copies_an_append_larger_than_adopt_bytes(monkeypatch):
     assert _fetch(store)[0][1] == [("a", 7), ("b", 9)]
 
 
-@pytest.mark.parametrize("fetch", ["layers", "drop_layers", "req_ids"])
-def test_chunks_left_on_a_drains_buffer_are_copied_out_once_they_hold_under_half(fetch):
+@pytest.mark.parametrize("fetch", ["layers", "drop_layers", "req_ids", "all"])
+def test_chunks_left_on_a_drains_buffer_are_copied_out_once_they_hold_under_half(fetch,
+                                                                                monkeypatch):
     """A drain hands every layer a view of one host buffer. Fetching most layers away must not
     leave the rest holding the whole buffer alive (uncounted: bytes_stored counts the views)."""
     store = StreamStore(StreamConfig())
@@ -424,6 +425,13 @@ def test_chunks_left_on_a_drains_buffer_are_copied_out_once_they_hold_under_half
         else:
             store.drop_layers(some)
 
+    if fetch == "all":  # the chunks go together: none is copied out first
+        copies = []
+        monkeypatch.setattr(store_module._Chunk, "set_rows",
+                            lambda chunk, *args: copies.append(chunk))
+        _fetch(store, clear_selected=True)
+        assert copies == [] and store.chunks == {} and store.bytes_stored == 0
+        return
     if fetch == "req_ids":  # most of every layer's rows: each chunk compacts into its own copy
         _fetch(store, req_ids=["a", "b"], clear_selected=True)
         assert on_buffer() == []

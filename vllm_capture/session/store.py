@@ -320,6 +320,7 @@ class StreamStore:
         # Host buffers that several adopted chunks are views of (a drain copies every layer of a
         # ring group in one piece): buffer's data pointer -> (its bytes, (layer, chunk id) keys).
         self._shared: dict[int, tuple[int, set[tuple[int, int]]]] = {}
+        self._left_on_shared: set[int] = set()  # buffers some chunk left since the last settle
         # Rows cut before the store (device ring) and by the budget. Every layer of one append
         # holds the same rows, so a row the budget cuts in any of them counts once, in the append
         # that cut it: layers' budgets part once a fetch clears some layers and not others.
@@ -449,6 +450,7 @@ class StreamStore:
             chunk_ids = list(held)
             spans = self._spans_at(chunk_ids, [index] * len(chunk_ids), list(held.values()))
             self._kill(layer_id, spans)
+        self._settle_shared()
         self._reclaim_requests({index})
 
     def _reclaim_requests(self, indices: set[int]) -> None:
@@ -600,23 +602,38 @@ class StreamStore:
                 (layer_id, chunk_id))
 
     def _unshare(self, layer_id: int, chunk_id: int, chunk: _Chunk) -> None:
-        """``chunk`` leaves its host buffer (freed, compacted): copy the chunks left on the buffer
-        out once they hold less than half of it, so that they do not keep it all alive."""
-        entry = self._shared.get(chunk.tensor.untyped_storage().data_ptr())
+        """``chunk`` leaves its host buffer (freed, compacted): ``_settle_shared`` looks at the
+        buffer once the whole fetch or drop is done."""
+        ptr = chunk.tensor.untyped_storage().data_ptr()
+        entry = self._shared.get(ptr)
         if entry is None:
             return
-        size, keys = entry
-        keys.discard((layer_id, chunk_id))
-        left = [self.chunks[layer][key] for layer, key in keys]
-        if 2 * sum(_nbytes(c.tensor) for c in left) >= size:
-            return
-        del self._shared[chunk.tensor.untyped_storage().data_ptr()]
-        for kept in left:
-            try:
-                kept.set_rows(kept.tensor.clone(), kept.meta)
-            except (MemoryError, RuntimeError):
-                logger.warning("vllm-capture: no host memory to copy a chunk out of its drain's "
-                               "buffer; the buffer stays")
+        entry[1].discard((layer_id, chunk_id))
+        if entry[1]:
+            self._left_on_shared.add(ptr)
+        else:
+            del self._shared[ptr]
+
+    def _settle_shared(self) -> None:
+        """Copy the chunks left on a drain's buffer out where they hold less than half of it, so
+        that they do not keep it all alive. Run after a whole fetch or drop, which would
+        otherwise copy chunks it is about to free."""
+        for ptr in self._left_on_shared:
+            entry = self._shared.get(ptr)
+            if entry is None:
+                continue
+            size, keys = entry
+            left = [self.chunks[layer][key] for layer, key in keys]
+            if 2 * sum(_nbytes(c.tensor) for c in left) >= size:
+                continue
+            del self._shared[ptr]
+            for kept in left:
+                try:
+                    kept.set_rows(kept.tensor.clone(), kept.meta)
+                except (MemoryError, RuntimeError):
+                    logger.warning("vllm-capture: no host memory to copy a chunk out of its "
+                                   "drain's buffer; the buffer stays")
+        self._left_on_shared.clear()
 
     def _check_rows(
         self, layer_id: Any, tensor: Any, meta: Any, layer_name: Any
@@ -1064,6 +1081,7 @@ class StreamStore:
                     else:
                         touched.update(whole[1].reqs.tolist())
                         self._drop_whole_layer(layer_id, *whole)
+                self._settle_shared()
                 self._reclaim_requests(touched)
             return out
 
@@ -1139,6 +1157,7 @@ class StreamStore:
             kept = {r: why for r, why in self._failed_requests.items() if r in still_failed}
             self.chunks.clear()
             self._shared.clear()
+            self._left_on_shared.clear()
             self._unindexed.clear()
             self.layer_names.clear()
             self._layer_rows.clear()
@@ -1167,6 +1186,7 @@ class StreamStore:
                 spans = self._scan_spans(layer_id, None)
                 touched.update(_distinct(spans.req))
                 self._kill(layer_id, spans)
+            self._settle_shared()
             self._reclaim_requests(touched)
 
     def status(self) -> dict[str, int]:
