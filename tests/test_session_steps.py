@@ -1256,6 +1256,43 @@ def test_a_fetch_before_a_request_ends_ends_its_reduction_and_counts_the_rows_af
         np.testing.assert_allclose(got, want.astype(np.float64).mean(axis=0), rtol=1e-3, atol=0.5)
 
 
+@pytest.mark.parametrize("reduce", ["last", "mean"])
+def test_rows_a_request_recomputes_below_its_cut_are_not_counted_dropped(reduce):
+    """A fetch cut a's reduction after positions 0-4; a preemption then recomputes 0-4 (which
+    it took) and computes 5 and 6 (which it did not): 2 dropped, and a second preemption
+    counts none of them again."""
+    engine = Engine(acc_slots=4)
+    engine.session.enable_stream(HS, reduce=reduce)
+    a = Req(num=0, prompt=[1, 2, 3, 4], gen=[5, 6, 7, 0])
+    engine.step([(a, 4)])
+    engine.step([(a, 1)])  # position 4
+    decode_rows(*engine.fetch(HS, req_ids=[a.rid]))
+    engine.preempt(a)
+    engine.step([(a, 6)])  # positions 0-5
+    engine.step([(a, 1)])  # position 6
+    assert engine.session.stream_status(HS)["tokens_dropped"] == 2
+    engine.preempt(a)
+    engine.step([(a, 7)])  # positions 0-6 again
+    assert engine.session.stream_status(HS)["tokens_dropped"] == 2
+
+
+def test_clearing_a_mean_stream_keeps_a_running_requests_elision():
+    """a's mean lacks positions 0 and 1 (a prefix-cache hit): a clear while it runs must not
+    let that mean, over positions 2-5 only, be fetched as if whole."""
+    engine = Engine()
+    engine.session.enable_stream(HS, reduce="mean")
+    a = Req(num=0, prompt=[0, 1, 2, 3], gen=[1, 2, 0], cache_hit=2)
+    engine.step([(a, 2)])
+    assert engine.session.stream_status(HS)["cache_elided_reqs"] == 1
+    engine.session.clear_stream(HS)
+    engine.step([(a, 1)])
+    engine.step([(a, 1)])
+    engine.step([])
+    assert engine.session.stream_status(HS)["cache_elided_reqs"] == 1
+    with pytest.raises(RuntimeError, match="skip_reading_prefix_cache"):
+        engine.session.fetch_stream(HS)
+
+
 def test_a_request_id_reused_while_its_rows_are_held_fails_that_id_only():
     # vLLM makes ids unique unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set; then a client
     # may send an id again as soon as its first request finished.

@@ -106,9 +106,10 @@ class Stream:
     slot_last_position: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Requests this stream will not track again: failed, or reduced and closed by a fetch.
     closed: set[str] = field(default_factory=set)
-    # Reductions a fetch closed before the worker heard that their request finished: rows the
-    # request computes after that are not reduced, and count as dropped.
-    cut: set[str] = field(default_factory=set)
+    # Reductions a fetch closed before the worker heard that their request finished, each with
+    # the first position it did not take: rows the request computes from there are not reduced,
+    # and count as dropped (rows it recomputes below it, after a preemption, were reduced).
+    cut: dict[str, int] = field(default_factory=dict)
     # reduce="all": the steps whose rows wait in the device ring, as planned; and finish markers
     # of requests whose rows may be among them.
     pending_steps: list[PendingStep] = field(default_factory=list)
@@ -381,8 +382,10 @@ class CaptureSession:
         st = self._streams[stream]
         if st is not None:
             self._wait_harvest()
-            # A failed request that still runs stays failed: none of its later rows come.
-            st.store.clear(still_failed=st.closed)
+            # A failed request that still runs stays failed: none of its later rows come. A mean
+            # whose request skipped positions stays elided: its open reduction lacks them.
+            st.store.clear(still_failed=st.closed,
+                           still_elided=st.slots if st.config.reduce == "mean" else ())
 
     def stream_status(self, stream: str) -> dict[str, Any]:
         self._check_stream(stream)
@@ -499,7 +502,7 @@ class CaptureSession:
             for req_id in finished:
                 st.tracks.pop(req_id, None)
                 st.closed.discard(req_id)
-                st.cut.discard(req_id)
+                st.cut.pop(req_id, None)
             if st.pending_steps:
                 st.pending_finishes.append(_Finish(st.store, finished))
             elif st.finished or st.held:  # after the rows still to be stored, never before
@@ -674,7 +677,10 @@ class CaptureSession:
                 continue
             if req_id in st.closed:
                 if req_id in st.cut:
-                    unreduced += int(geometry.query_start_loc[i + 1] - geometry.query_start_loc[i])
+                    start = int(geometry.num_computed[i])
+                    end = start + int(geometry.query_start_loc[i + 1] - geometry.query_start_loc[i])
+                    unreduced += max(0, end - max(start, st.cut[req_id]))
+                    st.cut[req_id] = max(end, st.cut[req_id])
                 continue
             info = self._requests.get(req_id)
             if info is None:
@@ -740,20 +746,23 @@ class CaptureSession:
             return True
         return selects_positions_in(track, skipped.start, skipped.stop)
 
-    def _close(self, st: Stream, req_ids: list[str]) -> list[str]:
+    def _close(self, st: Stream, req_ids: list[str]) -> dict[str, int]:
         """Close the reductions (last/mean) of ``req_ids`` still open: their rows wait in their
-        accumulator slots (``st.finished``) for ``_read_finished``. Returns those it closed."""
+        accumulator slots (``st.finished``) for ``_read_finished``. Returns those it closed,
+        each with the first position its reduction did not take."""
         closing = [r for r in dict.fromkeys(req_ids) if r in st.slots]
         if not closing:
-            return closing
-        self._drop_repeat(st)
+            return {}
+        self._drop_repeat(st)  # the tracks' high-water marks, as of the last step
+        taken = {}
         for r in closing:
             st.finished[r] = st.slots.pop(r)
             # A request closed while still running (by a fetch) is not reduced again: its later
             # rows would otherwise start a second, partial reduction.
-            st.tracks.pop(r, None)
+            track = st.tracks.pop(r, None)
+            taken[r] = 0 if track is None else track.next_position
             st.closed.add(r)
-        return closing
+        return taken
 
     def _read_finished(self, st: Stream) -> _Reduced | None:
         """The rows of every closed reduction of ``st``, one per request and layer, on their way

@@ -1144,17 +1144,19 @@ class StreamStore:
             index for req_id in req_ids for index in self._request_aliases.get(req_id, ())
         }
 
-    def clear(self, still_failed: Iterable[str] = ()) -> None:
+    def clear(self, still_failed: Iterable[str] = (), still_elided: Iterable[str] = ()) -> None:
         """Drop every row, error and counter; keep active requests' indices.
 
         Active requests keep their labels because the planner already holds
         them for rows still to come; finished ones are released. The failures
         of ``still_failed`` (requests still running, whose rows will not be
-        captured) stay.
+        captured) stay, and so do the elisions of ``still_elided`` (requests
+        whose open reductions lack positions for good).
         """
         with self.lock:
             still_failed = set(still_failed)  # read once: an iterator would be spent by one test
             kept = {r: why for r, why in self._failed_requests.items() if r in still_failed}
+            elided = self.elided_reqs & set(still_elided)
             self.chunks.clear()
             self._shared.clear()
             self._left_on_shared.clear()
@@ -1176,6 +1178,8 @@ class StreamStore:
             self._reclaim_requests(set(self._finished))
             for req_id, why in kept.items():
                 self.fail_request(req_id, why)
+            for req_id in elided:
+                self.mark_elided(req_id)
 
     def drop_layers(self, layers: list[int]) -> None:
         """Release every row of the given layers (after a layer-wise fetch)."""
