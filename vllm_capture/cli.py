@@ -639,8 +639,9 @@ class _Buffer:
         for layer in self.layers[component]:
             t = result.layers.get(layer)
             if t is None or not n:
-                # An empty layer comes in the engine's dtype, which need not be the component's
-                # (float32 router logits of a bfloat16 model): the shard makes its own.
+                # An empty layer holds no values; the shard makes its own in the component's
+                # dtype (an older worker gives it the engine's: float32 router logits' of a
+                # bfloat16 model came as bfloat16).
                 if t is None and n:
                     raise RuntimeError(f"{component}: capture returned no rows for layer {layer}")
                 continue
@@ -967,9 +968,8 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
                                       per_prompt_selects=per_prompt)
             for c, result in results.items():
                 for layer, t in result.layers.items():
-                    # A layer no selected row reached is an empty tensor in the engine's dtype,
-                    # which need not be the component's (float32 router logits of a bfloat16
-                    # model): it holds no values, and is not buffered (_Buffer.add).
+                    # A layer no selected row reached holds no values to check (an older
+                    # worker gives it the engine's dtype), and is not buffered (_Buffer.add).
                     if t.shape[0]:
                         check_batch_dtype(manifest, c, layer, dtype_name(t.dtype), (b0, b1))
                     if layer in widths[c]:
