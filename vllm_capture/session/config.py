@@ -127,7 +127,7 @@ class StreamConfig:
         ``select``)."""
         return {
             "layers": sorted(self.layers) if self.layers is not None else None,
-            "dtype": _DTYPE_NAMES[self.dtype] if self.dtype is not None else None,
+            "dtype": storage_dtype_name(self.dtype) if self.dtype is not None else None,
             "reduce": self.reduce,
             "select": self.select,
             "budget_rows": self.budget_rows,
