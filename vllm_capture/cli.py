@@ -638,12 +638,12 @@ class _Buffer:
             self.nbytes += arr.nbytes
         for layer in self.layers[component]:
             t = result.layers.get(layer)
-            if t is None or not n:
+            if t is None and n:
+                raise RuntimeError(f"{component}: capture returned no rows for layer {layer}")
+            if not n:
                 # An empty layer holds no values; the shard makes its own in the component's
                 # dtype (an older worker gives it the engine's: float32 router logits' of a
                 # bfloat16 model came as bfloat16).
-                if t is None and n:
-                    raise RuntimeError(f"{component}: capture returned no rows for layer {layer}")
                 continue
             t = t.contiguous()
             self.tensors[component][layer].append(t)
