@@ -58,6 +58,8 @@ they are not what the product captures), and the patches live here.
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import json
 import mmap
 import os
@@ -416,12 +418,27 @@ def check_switches(rows: np.ndarray) -> str | None:
     return None
 
 
+def log_exists(path: Path | str) -> bool:
+    return Path(path).exists() or Path(f"{path}.gz").exists()
+
+
+def load_log(path: Path | str) -> np.ndarray:
+    """A saved ``.npy`` log; where it is missing, its gzipped twin (``.npy.gz``: the committed
+    logs are kept so, as every H200 call carries the tree)."""
+    path = Path(path)
+    if path.exists() or not Path(f"{path}.gz").exists():
+        return np.load(path)
+    with gzip.open(f"{path}.gz", "rb") as f:
+        return np.load(io.BytesIO(f.read()))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="1b", choices=sorted(S.MODELS))
     p.add_argument("--out", required=True)
     p.add_argument("--analyse", metavar="NPY", help="analyse a saved iteration log "
-                   "(step_alternation.npy) into --out instead of running an engine")
+                   "(step_alternation.npy, or its .npy.gz where that is what is there) into "
+                   "--out instead of running an engine")
     p.add_argument("--switch", default="both",
                    help="what alternates in a capture generate, a comma list that the capture "
                    "generates take in turn: both (default), host (the step path only), nodes "
@@ -454,8 +471,8 @@ def main() -> int:
         if not beside.exists():
             beside = beside.with_name(SAMPLES + ".gz")  # as gpu_session.sh brings it back
         walls = Path(args.analyse).with_name(WALLS)  # runs since session 31
-        return write_summary(np.load(args.analyse), out, kinds[0], beside,
-                             np.load(walls) if walls.exists() else None)
+        return write_summary(load_log(args.analyse), out, kinds[0], beside,
+                             load_log(walls) if log_exists(walls) else None)
     # Asked of NVML: CUDA initialised here would fail the engine core forked from this process.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch

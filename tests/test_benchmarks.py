@@ -2008,6 +2008,33 @@ def _idle_rows(generate: int, us: float, rng, noise_us: float = 5.0, iterations:
             for _ in range(iterations)]
 
 
+def test_load_log_reads_a_log_or_its_gzipped_twin(tmp_path):
+    """A committed log is kept gzipped: its .npy path (as the READMEs' commands name it) reads
+    the .npy.gz beside it, byte for byte the array saved; a plain .npy is read as it is."""
+    import gzip
+    import io
+
+    import numpy as np
+
+    from benchmarks import step_alternation as SA
+
+    rows = np.array(_idle_rows(0, 2800.0, np.random.default_rng(0), iterations=5))
+    plain = tmp_path / "plain" / "step_alternation.npy"
+    plain.parent.mkdir()
+    np.save(plain, rows)
+    packed = tmp_path / "packed" / "step_alternation.npy"
+    packed.parent.mkdir()
+    buf = io.BytesIO()
+    np.save(buf, rows * 2)
+    (packed.parent / "step_alternation.npy.gz").write_bytes(gzip.compress(buf.getvalue()))
+    assert SA.log_exists(plain) and SA.log_exists(packed)
+    assert not SA.log_exists(tmp_path / "none.npy")
+    assert np.array_equal(SA.load_log(plain), rows)
+    assert np.array_equal(SA.load_log(packed), rows * 2)
+    with pytest.raises(FileNotFoundError):
+        SA.load_log(tmp_path / "none.npy")
+
+
 def test_switch_patterns_let_each_switch_and_the_one_before_be_told_apart():
     """Over the patterns, each switch is on half the time; the iteration before is on as often
     as off whatever this one is, but for the nodes after the nodes (three in four); the
