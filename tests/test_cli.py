@@ -356,13 +356,13 @@ BAD_INPUTS = {
         lambda d: ["{model}", "{txt}", "--select", '{"prompt_positions": [99999999999999999999]}'],
         "prompt_positions: 99999999999999999999 is out of range"),
     "generation rows without generation": (
-        lambda d: ["{model}", "{txt}", "--select", '{"generation": "all"}'], "generates none"),
+        lambda d: ["{model}", "{txt}", "--select", '{"generation": "all"}'], "feeds none"),
     "per-prompt generation select without generation": (lambda d: ["{model}", str(_write(
         d / "p.jsonl", '{"prompt": "a", "select": {"generation_positions": [0]}}\n'))],
         "line 1) select"),
     "generation position past the generated rows": (
         lambda d: ["{model}", "{txt}", "--select", '{"generation_positions": [5]}',
-                   "--max-tokens", "3"], "no decode step that --max-tokens 3 feeds"),
+                   "--max-tokens", "3"], "no decode step that max_tokens=3 feeds"),
     "per-prompt generation window past the generated rows": (lambda d: ["{model}", str(_write(
         d / "p.jsonl", '{"prompt": "a", "select": {"generation_window": [4, null]}}\n')),
         "--max-tokens", "3"], "line 1) select: selects generated rows only, but no decode step"),

@@ -101,10 +101,40 @@ def test_capture_batches_reads_an_iterator_of_selections_once(monkeypatch):
     (dict(dtype="int8"), "^dtype"),
     (dict(budget_rows=-1), "^budget_rows"),
     (dict(select={"nonsense": 1}), "select"),
+    # Generated rows only, with max_tokens=1 (the default): no row could be captured.
+    (dict(select=vc.SelectSpec(generation="all")), "^select: selects generated rows only, but "
+                                                   "max_tokens=1 feeds none"),
+    (dict(max_tokens=3, per_prompt_selects=[None, {"generation_positions": [2]}, None]),
+     "^per_prompt_selects\\[1\\]: selects generated rows only, but no decode step that "
+     "max_tokens=3 feeds"),
+    # A selection in the sampling parameters would override select= unseen.
+    (dict(extra_args={"capture": {"prompt": "all"}}), "^extra_args\\['capture'\\]: capture\\(\\) "
+                                                      "sets each prompt's selection itself"),
 ])
 def test_capture_batches_checks_every_argument_before_the_first_batch(kwargs, message):
     with pytest.raises(ValueError, match=message):
         vc.capture_batches(_NoEngine(), ["a", "b", "c"], batch_size=1, **kwargs)
+
+
+def test_a_selection_in_given_sampling_params_is_refused():
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=2, extra_args={"capture": {"prompt": "all"}, "x": 1})
+    with pytest.raises(ValueError, match=r"^sampling_params.extra_args\['capture'\]: "):
+        vc.capture(_NoEngine(), ["a"], select=vc.SelectSpec.last_prompt_token(),
+                   sampling_params=params)
+
+
+def test_selections_that_feed_rows_pass_the_max_tokens_check(monkeypatch):
+    """The check refuses only what can capture nothing: a generated row at the last step fed,
+    a prompt row at max_tokens=1, and a token selector (tokens are unknown before the generate)."""
+    monkeypatch.setattr(vc.api, "_run", lambda llm, checked: checked)
+    llm = _EncodingEngine({"tp_rank": 0, "enabled": False})
+    for max_tokens, select in [(3, {"generation_positions": [1]}), (1, {"prompt": "all"}),
+                               (2, {"generation_tokens": [7]}),
+                               (2, {"generation": "all", "exclude_generation_positions": [5]})]:
+        checked = vc.capture(llm, ["a"], max_tokens=max_tokens, select=select)
+        assert checked.config["select"] == vc.SelectSpec.from_wire(select).to_wire()
 
 
 @pytest.mark.parametrize("call", [vc.capture, vc.capture_batches])

@@ -617,7 +617,7 @@ def test_engine_side_validation_writes_nothing(tmp_path):
         run(out, layers=[5])
     with pytest.raises(UsageError, match="router_logits"):
         run(out, components=["router_logits"])
-    with pytest.raises(UsageError, match="selects nothing|generates none"):
+    with pytest.raises(UsageError, match="selects nothing|feeds none"):
         run(out, select=json.dumps({"generation": "all"}), max_tokens=1)
     assert not out.exists()
 

@@ -59,7 +59,8 @@ def test_reduce_slots_default_to_every_request_that_can_run_at_once():
 
 @pytest.mark.parametrize("field,value", [("buffer_bytes", 0), ("buffer_bytes", True),
                                          ("reduce_slots", -1), ("ring_slots", 1.5),
-                                         ("components", "hidden_states"), ("components", [])])
+                                         ("components", "hidden_states"), ("components", []),
+                                         ("components", None)])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineCaptureConfig(**{field: value})
@@ -70,6 +71,17 @@ def test_engine_kwargs_carry_the_config_through_additional_config():
     cfg = EngineCaptureConfig.from_vllm_config(SimpleNamespace(additional_config=kw["additional_config"]))
     assert cfg == EngineCaptureConfig(components=("hidden_states",))
     assert kw["max_model_len"] == 64
+
+
+def test_engine_kwargs_refuse_capture_options_inside_additional_config():
+    """They would be replaced by the call's own (the defaults), the caller's buffer cap lost."""
+    with pytest.raises(ValueError, match=r"^additional_config\['capture'\]: set by engine_kwargs"):
+        engine_kwargs(additional_config={"capture": {"buffer_bytes": 2 ** 30}})
+    with pytest.raises(ValueError, match="^additional_config: expected a dict"):
+        engine_kwargs(additional_config='{"a": 1}')
+    kw = engine_kwargs(buffer_bytes=2 ** 30, additional_config={"other": 1})
+    assert kw["additional_config"]["other"] == 1
+    assert kw["additional_config"]["capture"]["buffer_bytes"] == 2 ** 30
 
 
 def _parallel_config(**overrides):

@@ -28,6 +28,10 @@ def test_per_stream_clauses(raw):
     ({"prompt_positons": [0]}, "prompt_positons"),
     (json.dumps({"hidden_states": {"prompt": "some"}}), "prompt"),
     (json.dumps({"prompt_positions": [10 ** 30]}), "prompt_positions.*out of range"),
+    # A bad clause among per-stream ones names its stream.
+    ({"hidden_states": {"prompt": "all"}, "attention_heads": "x"},
+     "^attention_heads: SelectSpec wire form must be a dict"),
+    ({"hidden_states": {}}, "^hidden_states: SelectSpec selects nothing"),
 ])
 def test_bad_request_selects_name_the_problem(raw, needle):
     with pytest.raises(ValueError, match=needle):

@@ -6,9 +6,10 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tests.select_reference import selected
 from vllm_capture.selection import SelectSpec
 
 INCLUDES = (
@@ -56,8 +57,8 @@ _selector_values = {
 
 
 @st.composite
-def select_specs(draw) -> SelectSpec:
-    """Valid clauses by construction: excludes only on covered phases, at least one phase."""
+def select_spec_kwargs(draw) -> dict:
+    """Clause fields with excludes only on covered phases and at least one phase covered."""
     phases = draw(st.sampled_from([("prompt",), ("generation",), ("prompt", "generation")]))
     kwargs = {}
     for phase in phases:
@@ -73,7 +74,39 @@ def select_specs(draw) -> SelectSpec:
         for kind in kinds:
             if draw(st.integers(0, 3)) == 0:
                 kwargs[f"exclude_{kind}"] = draw(_selector_values[kind])
-    return SelectSpec(**kwargs)
+    return kwargs
+
+
+@st.composite
+def select_specs(draw) -> SelectSpec:
+    """Valid clauses: those of ``select_spec_kwargs`` but the ones whose excludes leave a phase
+    no row (refused; see test_excludes_that_leave_a_phase_no_row_are_refused)."""
+    kwargs = draw(select_spec_kwargs())
+    try:
+        return SelectSpec(**kwargs)
+    except ValueError as exc:
+        assume("selects nothing" not in str(exc))
+        raise
+
+
+@given(select_spec_kwargs())
+@settings(max_examples=400, deadline=None)
+def test_excludes_that_leave_a_phase_no_row_are_refused(kwargs):
+    """A clause refused because its excludes leave a phase no row selects, by the brute-force
+    reference, no row of that phase at any prompt length, position or token: the refusal never
+    takes a clause that would capture something there."""
+    try:
+        SelectSpec(**kwargs)
+        return
+    except ValueError as exc:
+        if "selects nothing" not in str(exc):
+            raise
+        phase = "prompt" if "SelectSpec.exclude_prompt" in str(exc) else "generation"
+    tokens = range(VOCAB + 1)
+    for prompt_len in range(1, 14):
+        indices = range(prompt_len) if phase == "prompt" else range(12)
+        offset = 0 if phase == "prompt" else prompt_len
+        assert not any(selected(kwargs, prompt_len, offset + i, t) for i in indices for t in tokens)
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -95,6 +128,14 @@ def select_specs(draw) -> SelectSpec:
         ({"prompt_positions": []}, "prompt_positions"),
         ({"generation_positions": [-1]}, "generation_positions"),
         ({"generation_positions": [0, "1"]}, "generation_positions"),
+        ({"prompt": "all", "exclude_prompt_window": (None, None)}, "exclude_prompt_window"),
+        ({"prompt_positions": [1], "exclude_prompt_window": (0, None)}, "exclude_prompt_window"),
+        ({"prompt_positions": [3, -1], "exclude_prompt_positions": [-1, 3, 4]},
+         "exclude_prompt_positions"),
+        ({"generation_tokens": [2], "exclude_generation_tokens": [2, 3]},
+         "exclude_generation_tokens"),
+        ({"prompt_tokens": [1], "prompt_positions": [0], "exclude_prompt_tokens": [1],
+          "exclude_prompt_positions": [0]}, "exclude_prompt_tokens and exclude_prompt_positions"),
         ({"prompt_window": (1,)}, "prompt_window"),
         ({"prompt_window": (1, 2, 3)}, "prompt_window"),
         ({"prompt_window": "ab"}, "prompt_window"),
@@ -242,6 +283,21 @@ def test_positions_past_the_end_clamp_with_one_warning_per_spec():
         assert spec.selected_prompt_positions(200).tolist() == [0, 99]
 
 
+def test_negative_positions_before_the_start_match_nothing_with_one_warning_per_spec():
+    """"The last four tokens" of a 3-token prompt: -4 matches no row there, and says so once."""
+    spec = SelectSpec(prompt_positions=[-4])
+    with pytest.warns(UserWarning, match=r"prompt_positions: position -4 is before the start of "
+                                         r"a 3-token prompt; it matches no row"):
+        assert spec.selected_prompt_positions(3).tolist() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert spec.selected_prompt_positions(2).tolist() == []
+        assert spec.selected_prompt_positions(6).tolist() == [2]
+    excluding = SelectSpec(prompt="all", exclude_prompt_positions=[-9])
+    with pytest.warns(UserWarning, match=r"exclude_prompt_positions: position -9 is before"):
+        assert excluding.selected_prompt_positions(2).tolist() == [0, 1]
+
+
 def test_positions_inside_the_prompt_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -332,7 +388,8 @@ def test_generation_matching_with_known_tokens():
             [],
             [0, 2],
         ),
-        ({"generation_tokens": [4], "exclude_generation_tokens": [4]}, [], [], []),
+        ({"generation_tokens": [4], "generation_positions": [0], "exclude_generation_tokens": [4]},
+         [], [0], []),
         # Only prompt rows covered.
         ({"prompt": "all"}, [], [], []),
     ],

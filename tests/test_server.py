@@ -74,6 +74,8 @@ def test_bytes_from_text_refuses_what_is_not_base64(bad):
     (dict(url="localhost:8000"), "url"),
     (dict(url="http://h:1", timeout=0), "timeout"),
     (dict(url="http://h:1", timeout=True), "timeout"),
+    (dict(url="http://h:1", timeout=float("nan")), "timeout"),
+    (dict(url="http://h:1", timeout=float("inf")), "timeout"),
 ])
 def test_server_refuses_bad_arguments(kwargs, field):
     url = kwargs.pop("url")

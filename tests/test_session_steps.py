@@ -708,6 +708,20 @@ def test_stream_status_names_each_layers_storage_dtype():
     assert engine.session.stream_status(AH)["dtypes"] == {0: "bfloat16", 1: "bfloat16"}
 
 
+def test_a_fetch_of_layers_the_stream_does_not_capture_is_refused_by_name():
+    """Layers the model lacks, negative ids and hooked layers the stream leaves out: an error
+    naming them, not an empty result (start_capture refuses the same ids)."""
+    engine = Engine()
+    engine.session.enable_stream(HS, layers=[0, 2])
+    for layers in ([99], [-1], [1], [0, 1]):
+        with pytest.raises(ValueError, match=r"^layers: \[.*\] are not captured by stream "
+                                             r"'hidden_states'; it captures \[0, 2\]"):
+            engine.session.fetch_stream(HS, layers=layers)
+    engine.session.enable_stream(AH)
+    assert engine.session.fetch_stream(AH, layers=[1]) == {}  # every hooked layer captured
+    assert engine.session.fetch_stream(HS, layers=[2]) == {}
+
+
 def test_capacity_example_with_stream_status():
     """Three prompts of 4 rows each in one step, capacity 5: 5 stored, 7 dropped."""
     engine = Engine(capacity=5)

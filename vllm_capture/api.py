@@ -524,6 +524,7 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
                       for i, s in enumerate(_select_list(per_prompt_selects, len(prompts)))]
     else:
         per_prompt = [None] * len(prompts)
+    given = sampling_params
     if sampling_params is None:
         sampling_kwargs.setdefault("temperature", 0.0)
         sampling_params = SamplingParams(max_tokens=1 if max_tokens is None else max_tokens,
@@ -536,10 +537,19 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
         raise ValueError(f"pass either sampling_params or sampling keywords, not both ({given})")
     if sampling_params.n != 1:
         raise ValueError("sampling_params.n: capture supports n=1 only")
+    if EXTRA_ARGS_KEY in (sampling_params.extra_args or {}):
+        raise ValueError(f"{'extra_args' if given is None else 'sampling_params.extra_args'}"
+                         f"[{EXTRA_ARGS_KEY!r}]: capture() sets each prompt's selection itself; "
+                         f"pass select= or per_prompt_selects= instead")
     params = []
-    for own in per_prompt:
+    for i, own in enumerate(per_prompt):
         p = sampling_params.clone()
         effective = own if own is not None else spec
+        if effective is not None and p.max_tokens is not None:
+            empty = effective.selects_nothing_at(p.max_tokens)
+            if empty is not None:
+                where = "select" if own is None else f"per_prompt_selects[{i}]"
+                raise ValueError(f"{where}: {empty}; the selection would capture nothing")
         if own is not None:
             p.extra_args = {**(p.extra_args or {}), EXTRA_ARGS_KEY: {stream: own.to_wire()}}
         if needs_full_prompt(effective):

@@ -314,29 +314,11 @@ def parse_selection(value: Any, max_tokens: int):
 
 
 def check_selects_something(spec, max_tokens: int, where: str) -> None:
-    """UsageError if ``spec`` selects generated rows only and none of the decode steps that
-    ``max_tokens`` feeds can match (tokens are not known yet: a token selector may match)."""
-    import numpy as np
-
-    from vllm_capture.selection.spec import UNKNOWN_TOKEN
-
-    if spec.covers_prompt:
-        return
-    if max_tokens < 2:
-        raise UsageError(f"{where}: selects generated rows only, but --max-tokens {max_tokens} "
-                         "generates none (max_tokens=N feeds N-1 generated rows); the selection "
-                         "would capture nothing")
-    # Past its largest position or window bound, a clause treats every step alike, so the
-    # steps up to there (or to the last step fed) decide.
-    bounds = [v for name in ("generation_positions", "generation_window",
-                             "exclude_generation_positions", "exclude_generation_window")
-              for v in getattr(spec, name) or () if v is not None]
-    steps = np.arange(min(max_tokens - 1, max(bounds, default=0) + 2))
-    match = spec.match_generation(steps, np.full(steps.shape, UNKNOWN_TOKEN))
-    if not (match.keep | match.keep_unless_excluded | match.keep_if_included).any():
-        raise UsageError(f"{where}: selects generated rows only, but no decode step that "
-                         f"--max-tokens {max_tokens} feeds (steps 0..{max_tokens - 2}) matches "
-                         "it; the selection would capture nothing")
+    """UsageError if ``spec`` can capture no row of a request that ``max_tokens`` feeds."""
+    reason = spec.selects_nothing_at(max_tokens)
+    if reason is not None:
+        raise UsageError(f"{where}: {reason}; the selection would capture nothing "
+                         f"(--max-tokens {max_tokens})")
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:

@@ -25,6 +25,9 @@ from typing import Any
 
 from vllm_capture.session.wire import bytes_from_text
 
+# The socket layer's limit turns a larger timeout into an OverflowError at the first call.
+_LONGEST_TIMEOUT_S = 1e9
+
 
 class Server:
     """The capture RPCs of one vLLM server at ``url`` (``http://host:port``).
@@ -38,8 +41,10 @@ class Server:
     def __init__(self, url: str, *, timeout: float = 600.0, api_key: str | None = None):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected the server's http:// or https:// address, got {url!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 < timeout < _LONGEST_TIMEOUT_S):
+            raise ValueError(f"timeout: expected a positive, finite number of seconds, got "
+                             f"{timeout!r}")
         self.url = url.rstrip("/")
         self.timeout = float(timeout)
         self.api_key = api_key

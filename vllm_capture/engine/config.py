@@ -31,8 +31,8 @@ class EngineCaptureConfig:
     version: int = field(default=CONFIG_VERSION)
 
     def __post_init__(self):
-        if isinstance(self.components, str):  # tuple() would split it into letters
-            raise ValueError(f"components: expected a list of component names, got the string "
+        if not isinstance(self.components, (list, tuple)):  # tuple("abc") splits letters
+            raise ValueError(f"components: expected a list of component names, got "
                              f"{self.components!r}; choose from {list(COMPONENTS)}")
         comps = tuple(self.components)
         bad = [c for c in comps if c not in COMPONENTS]
@@ -72,8 +72,14 @@ def engine_kwargs(components=COMPONENTS, buffer_bytes: int | None = None,
                   reduce_slots: int | None = None, **llm_kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` (or ``AsyncEngineArgs``) that make it capture-ready."""
     cfg = EngineCaptureConfig(components, buffer_bytes, reduce_slots)
-    additional = dict(llm_kwargs.pop("additional_config", None) or {})
-    additional[CONFIG_KEY] = cfg.to_dict()
+    additional = llm_kwargs.pop("additional_config", None) or {}
+    if not isinstance(additional, dict):
+        raise ValueError(f"additional_config: expected a dict, got {type(additional).__name__}")
+    if CONFIG_KEY in additional:
+        # It would be replaced by this call's own: say so rather than drop the caller's options.
+        raise ValueError(f"additional_config[{CONFIG_KEY!r}]: set by engine_kwargs itself; pass "
+                         f"components, buffer_bytes and reduce_slots as its arguments instead")
+    additional = {**additional, CONFIG_KEY: cfg.to_dict()}
     existing = llm_kwargs.pop("worker_extension_cls", None)
     if existing not in (None, "", WORKER_EXTENSION):
         raise ValueError(f"worker_extension_cls: already set to {existing!r}; vllm-capture needs "

@@ -6,7 +6,8 @@ at ``enable``/admission time, never mid-forward. Every selector is phase-scoped:
 
 * prompt rows are indexed by prompt position ``p`` (``0 <= p < prompt_len``); negative
   ``prompt_positions`` and window bounds count from the prompt end, positive positions past the
-  end clamp to the last prompt token (with a warning), windows resolve like Python slices;
+  end clamp to the last prompt token (with a warning), negative ones before its start match no
+  row (with a warning), windows resolve like Python slices;
 * generation rows are indexed by decode step ``g = position - prompt_len`` (0-based).
 
 A row is kept iff ``(phase "all" or any include matches) and not (any exclude matches)``.
@@ -75,6 +76,10 @@ class _Selectors:
     @property
     def max_position(self) -> int | None:
         return int(self._nonneg[-1]) if self._nonneg.size else None
+
+    @property
+    def min_negative_position(self) -> int | None:
+        return int(self._neg[0]) if self._neg.size else None
 
     def match_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         if not self.tokens:
@@ -193,6 +198,27 @@ def _window(name: str, value: Any, nonneg: bool) -> Window:
     return (start, stop)
 
 
+def _check_excludes_leave_rows(phase: str, select_all: bool, include: list, exclude: list) -> None:
+    """Refuse a phase whose excludes remove every row its includes take, whatever the prompt's
+    length or the tokens (the cases decidable from the clause alone): it would capture nothing
+    of that phase, silently."""
+    tokens, positions, window = include
+    exclude_tokens, exclude_positions, exclude_window = exclude
+    if exclude_window is not None and exclude_window[0] in (None, 0) and exclude_window[1] is None:
+        raise _field_error(f"exclude_{phase}_window",
+                           f"{list(exclude_window)} excludes every {phase} row, so the clause's "
+                           f"{phase} part selects nothing")
+    if select_all or window is not None:
+        return
+    if ((tokens is None or set(tokens) <= set(exclude_tokens or ()))
+            and (positions is None or set(positions) <= set(exclude_positions or ()))):
+        named = [f"exclude_{phase}_{kind}" for kind, value in
+                 (("tokens", tokens), ("positions", positions)) if value is not None]
+        raise _field_error(" and ".join(named),
+                           f"excludes every {phase} row the clause includes, so its {phase} part "
+                           f"selects nothing")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SelectSpec:
     """The where-clause; see the module docstring for the semantics.
@@ -241,9 +267,9 @@ class SelectSpec:
             exclude = [getattr(self, f"exclude_{phase}_{kind}") for kind in _SELECTORS]
             covered = getattr(self, phase) == PHASE_ALL or any(v is not None for v in include)
             if covered:
-                clauses[phase] = _PhaseClause(
-                    getattr(self, phase) == PHASE_ALL, _Selectors(*include), _Selectors(*exclude)
-                )
+                select_all = getattr(self, phase) == PHASE_ALL
+                _check_excludes_leave_rows(phase, select_all, include, exclude)
+                clauses[phase] = _PhaseClause(select_all, _Selectors(*include), _Selectors(*exclude))
             else:
                 for kind, value in zip(_SELECTORS, exclude):
                     if value is not None:
@@ -328,6 +354,27 @@ class SelectSpec:
         """Whether prompt rows' selection can depend on their token ids."""
         return self.prompt_tokens is not None or self.exclude_prompt_tokens is not None
 
+    def selects_nothing_at(self, max_tokens: int) -> str | None:
+        """Why the clause can select no row of a request generating ``max_tokens`` tokens
+        (``max_tokens=N`` feeds the prompt and N-1 generated rows), or None where it may select
+        one. Tokens are not known before the generate: a token selector may match."""
+        if self.covers_prompt:
+            return None
+        if max_tokens < 2:
+            return (f"selects generated rows only, but max_tokens={max_tokens} feeds none "
+                    f"(max_tokens=N feeds N-1 generated rows)")
+        # Past its largest position or window bound, a clause treats every step alike, so the
+        # steps up to there (or to the last step fed) decide.
+        bounds = [v for name in ("generation_positions", "generation_window",
+                                 "exclude_generation_positions", "exclude_generation_window")
+                  for v in getattr(self, name) or () if v is not None]
+        steps = np.arange(min(max_tokens - 1, max(bounds, default=0) + 2))
+        match = self.match_generation(steps, np.full(steps.shape, UNKNOWN_TOKEN))
+        if not (match.keep | match.keep_unless_excluded | match.keep_if_included).any():
+            return (f"selects generated rows only, but no decode step that max_tokens="
+                    f"{max_tokens} feeds (steps 0..{max_tokens - 2}) matches it")
+        return None
+
     def match_prompt(self, positions, prompt_len, token_ids) -> RowMatch:
         """Judge prompt rows: ``positions`` (each ``< prompt_len``), ``prompt_len`` (scalar or
         per row) and the rows' token ids (-1 where unknown)."""
@@ -365,19 +412,24 @@ class SelectSpec:
         return np.flatnonzero(self.match_prompt(positions, prompt_len, prompt_token_ids).keep)
 
     def _warn_if_clamped(self, clause: _PhaseClause, prompt_len: int) -> None:
+        """Warn (once per clause) of a position outside a prompt: past its end it clamps to the
+        last token; before its start (a negative one) it matches no row of that prompt."""
         if self._warned_clamp:
             return
         for side, selectors in (("", clause.include), ("exclude_", clause.exclude)):
-            top = selectors.max_position
+            top, bottom = selectors.max_position, selectors.min_negative_position
             if top is not None and top >= prompt_len:
-                object.__setattr__(self, "_warned_clamp", True)
-                warnings.warn(
-                    f"SelectSpec.{side}prompt_positions: position {top} is past the end of a "
-                    f"{prompt_len}-token prompt; positions past the end clamp to the last prompt "
-                    f"token (position {prompt_len - 1})",
-                    stacklevel=3,
-                )
-                return
+                message = (f"position {top} is past the end of a {prompt_len}-token prompt; "
+                           f"positions past the end clamp to the last prompt token (position "
+                           f"{prompt_len - 1})")
+            elif bottom is not None and bottom < -prompt_len:
+                message = (f"position {bottom} is before the start of a {prompt_len}-token "
+                           f"prompt; it matches no row of such a prompt")
+            else:
+                continue
+            object.__setattr__(self, "_warned_clamp", True)
+            warnings.warn(f"SelectSpec.{side}prompt_positions: {message}", stacklevel=3)
+            return
 
 
 def _nothing(shape) -> RowMatch:

@@ -317,6 +317,10 @@ class CaptureSession:
             return {} if build is None else build({})
         t0 = time.perf_counter()
         # A fetch that will be refused changes nothing: no reduction is cut for it.
+        captured = st.config.layers if st.config.layers is not None else self.hooked_layers(stream)
+        if layers is not None and set(layers) - captured:
+            raise ValueError(f"layers: {sorted(set(layers) - captured)} are not captured by "
+                             f"stream {stream!r}; it captures {sorted(captured)}")
         st.store.check_servable(req_ids)
         if st.config.reduce != "all":
             # Reductions of requests still open close now (capture() fetches after generate()
@@ -1060,7 +1064,13 @@ def _parse_request_selects(raw) -> dict[str, dict]:
     if not isinstance(raw, dict):
         raise ValueError("expected a SelectSpec wire dict or {stream: SelectSpec wire dict}")
     if raw and set(raw) <= set(COMPONENTS):
-        return {k: SelectSpec.from_wire(v).to_wire() for k, v in raw.items()}
+        per_stream = {}
+        for stream, wire in raw.items():
+            try:
+                per_stream[stream] = SelectSpec.from_wire(wire).to_wire()
+            except ValueError as exc:
+                raise ValueError(f"{stream}: {exc}") from None
+        return per_stream
     return {"*": SelectSpec.from_wire(raw).to_wire()}
 
 
