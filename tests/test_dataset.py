@@ -815,6 +815,17 @@ def test_capture_result_per_prompt_accessors_and_a_bf16_round_trip(tmp_path):
         assert torch.equal(result.token(i, 0, pos=1), second)
     with pytest.raises(KeyError, match="no captured row at position 999"):
         result.token(0, 0, pos=999)
+    # A layer not captured, or a bool or float where an int goes, is named, not read as another.
+    for call in (lambda: result.sample_rows(0, 1), lambda: result.meta(1),
+                 lambda: result.token(0, 1)):
+        with pytest.raises(KeyError, match=r"layer 1 was not captured; captured layers: \[0, 2\]"):
+            call()
+    for call in (lambda: result.sample_positions(True), lambda: result.sample(1.0)):
+        with pytest.raises(TypeError, match="prompt index: expected an int"):
+            call()
+    with pytest.raises(TypeError, match="pos: expected an int position, got True"):
+        result.token(0, 0, pos=True)
+    assert torch.equal(result.sample_rows(np.int64(1), 0), result.sample_rows(1, 0))
     loaded = api.CaptureResult.load(result.save(tmp_path / "r"))
     assert (loaded.stream, loaded.offsets, loaded.layouts) == (
         result.stream, result.offsets, result.layouts)

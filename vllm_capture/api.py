@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,9 +286,18 @@ class CaptureResult:
     offsets: list[int] = field(default_factory=list)
 
     def meta(self, layer: int) -> CaptureMeta:
+        self._check_layer(layer)
         return self._meta[layer]
 
+    def _check_layer(self, layer: int) -> None:
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer!r} was not captured; captured layers: "
+                           f"{sorted(self.layers)}")
+
     def _check_index(self, i: int) -> None:
+        # bool is an int subclass: True as a prompt index is a caller's bug, not prompt 1.
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"prompt index: expected an int, got {i!r}")
         if not 0 <= i < len(self.offsets) - 1:
             raise IndexError(f"prompt index {i} out of range for {len(self.offsets) - 1} prompts")
 
@@ -297,6 +307,7 @@ class CaptureResult:
 
     def sample_rows(self, i: int, layer: int) -> torch.Tensor:
         self._check_index(i)
+        self._check_layer(layer)
         return self.layers[layer][self.offsets[i]: self.offsets[i + 1]]
 
     def sample_positions(self, i: int) -> torch.Tensor:
@@ -312,6 +323,8 @@ class CaptureResult:
     def token(self, i: int, layer: int, pos: int = -1) -> torch.Tensor:
         """Row of prompt ``i`` at absolute position ``pos`` (-1: the prompt's last captured row)."""
         rows = self.sample_rows(i, layer)
+        if isinstance(pos, bool) or not isinstance(pos, numbers.Integral):
+            raise TypeError(f"pos: expected an int position, got {pos!r}")
         if pos == -1:
             if len(rows) == 0:
                 raise KeyError(f"prompt {i} has no captured rows")
