@@ -259,6 +259,17 @@ def test_inspect_summary_and_plot(full_run, tmp_path, capsys):
     assert "sha256 verified" in text and "complete: 10/10 prompts" in text
     assert "mean |x|" in text and "(4 heads x 32)" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    # Without a suffix the file gets .png, and the message names it.
+    assert main(["inspect", str(full_run), "--no-stats", "--plot", str(tmp_path / "bare")]) == 0
+    assert f"plot written to {tmp_path / 'bare.png'}" in capsys.readouterr().out
+    assert (tmp_path / "bare.png").stat().st_size > 5000
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for target, message in [(tmp_path / "x.txt", "--plot: cannot write a '.txt' file; use one of"),
+                            (afile / "p.png", f"--plot: cannot write {afile / 'p.png'}: ")]:
+        assert main(["inspect", str(full_run), "--no-stats", "--plot", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"vllm-capture: error: {message}") and err.count("\n") == 1, err
 
 
 @pytest.mark.engine
@@ -342,6 +353,10 @@ BAD_INPUTS = {
         "p.jsonl:2: duplicate prompt id '1'"),
     "unknown layer": (lambda d: ["{model}", "{txt}", "--layers", "2,4"], r"unknown layer(s) [4]"),
     "bad layer syntax": (lambda d: ["{model}", "{txt}", "--layers", "x"], "--layers: cannot parse"),
+    "layer with an underscore": (lambda d: ["{model}", "{txt}", "--layers", "1_0"],
+                                 "--layers: cannot parse '1_0'"),
+    "negative layers after -l": (lambda d: ["{model}", "{txt}", "-l", "-9,-1"],
+                                 "unknown layer(s) [-9]"),
     "unknown component": (lambda d: ["{model}", "{txt}", "-c", "hidden_states,mlp"],
                           "unknown component 'mlp'"),
     "router on a dense model": (lambda d: ["{model}", "{txt}", "-c", "router_logits"],
@@ -383,6 +398,23 @@ BAD_INPUTS = {
         lambda d: ["{model}", "{txt}", "--out", "/proc/vllm-capture-test/ds"],
         "cannot create /proc/vllm-capture-test/ds"),
 }
+
+
+def test_engine_arguments_vllm_refuses_are_one_line_exit_2(tiny, tmp_path, capsys):
+    """vLLM checks some engine arguments only as the engine is built (a max_model_len past the
+    model's, in pydantic): a usage error, not a traceback."""
+    def refusing_factory(model, components, engine_options):
+        raise ValueError("1 validation error for ModelConfig\n  Value error, User-specified "
+                         "max_model_len (100000) is greater than the derived max_model_len")
+
+    txt = _write(tmp_path / "ok.txt", "one two three\n")
+    rc = main(["extract", str(tiny), str(txt), "--out", str(tmp_path / "out"),
+               "--max-model-len", "100000"], llm_factory=refusing_factory)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith("vllm-capture: error: the engine refused its arguments: 1 validation "
+                          "error for ModelConfig Value error, User-specified max_model_len "
+                          "(100000)"), err
 
 
 def _foreign(d: Path) -> Path:

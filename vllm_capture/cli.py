@@ -56,6 +56,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -250,19 +251,20 @@ def parse_layers(value: str | Sequence[int] | None) -> list[int] | None:
     out: set[int] = set()
     for part in text.split(","):
         part = part.strip()
-        try:
-            if "-" in part[1:]:
-                lo, hi = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
-                lo_i, hi_i = int(lo), int(hi)
-                if lo_i < 0 or hi_i < lo_i:
-                    raise ValueError
-                out.update(range(lo_i, hi_i + 1))
-            else:
-                out.add(int(part))
-        except ValueError:
+        # ASCII digits only: int() would also read "1_0" as 10 and other scripts' digits.
+        single, span = _LAYER.fullmatch(part), _LAYER_SPAN.fullmatch(part)
+        if single:
+            out.add(int(part))
+        elif span and int(span[1]) <= int(span[2]):
+            out.update(range(int(span[1]), int(span[2]) + 1))
+        else:
             raise UsageError(f"--layers: cannot parse {part!r} in {value!r}; use 'all' or a list "
-                             "like 0,2,5-7 (negative numbers count from the last layer)") from None
+                             "like 0,2,5-7 (negative numbers count from the last layer)")
     return sorted(out)
+
+
+_LAYER = re.compile(r"-?[0-9]+")
+_LAYER_SPAN = re.compile(r"([0-9]+)-([0-9]+)")
 
 
 def resolve_layers(requested: list[int] | None, available: Sequence[int], where: str) -> list[int]:
@@ -1086,6 +1088,14 @@ def plot_norms(path: str | os.PathLike, out_png: str | os.PathLike,
     import matplotlib.pyplot as plt
     import numpy as np
 
+    out_png = Path(out_png)
+    if not out_png.suffix:  # matplotlib would add it: say the name it writes
+        out_png = out_png.with_name(out_png.name + ".png")
+    formats = plt.gcf().canvas.get_supported_filetypes()
+    plt.close()
+    if out_png.suffix[1:].lower() not in formats:
+        raise UsageError(f"--plot: cannot write a {out_png.suffix!r} file; use one of "
+                         f"{sorted('.' + f for f in formats)}")
     ds = load_dataset(path)
     comps = list(components) if components else ds.components
     fig, axes = plt.subplots(len(comps), 1, figsize=(8, 3.2 * len(comps)), squeeze=False)
@@ -1106,12 +1116,14 @@ def plot_norms(path: str | os.PathLike, out_png: str | os.PathLike,
             ax.legend(fontsize="small", ncol=min(4, len(ax.lines)))
     fig.suptitle(str(ds.manifest.get("model")), fontsize="small")
     fig.tight_layout()
-    out_png = Path(out_png)
-    if out_png.parent and not out_png.parent.exists():
+    try:
         out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    ds.close()
+        fig.savefig(out_png, dpi=100)
+    except OSError as exc:
+        raise UsageError(f"--plot: cannot write {out_png}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+        ds.close()
     return out_png
 
 
@@ -1209,7 +1221,11 @@ def _run_extract(model: str, prompts: Sequence, out: str, *, llm_factory: Callab
         if manifest is not None:
             done = manifest["shards"][-1]["prompt_end"] if manifest["shards"] else 0
             print(f"{out}: resuming after prompt {done} of {len(plan.prompts)}", file=sys.stderr)
-        llm = llm_factory(model, plan.components, plan.engine_options)
+        try:
+            llm = llm_factory(model, plan.components, plan.engine_options)
+        except ValueError as exc:  # vLLM's checks of its engine arguments (pydantic's too)
+            raise UsageError(f"the engine refused its arguments: {' '.join(str(exc).split())}"
+                             ) from None
         return extract.__wrapped__(  # extract without taking the folder again: held here
             llm, plan.prompts, out, model=model, components=plan.components,
             layers=plan.layers, select=plan.spec if plan.mode == "spec" else plan.mode,
@@ -1227,10 +1243,28 @@ def _report(summary: dict) -> None:
           file=sys.stderr)
 
 
+def _joined_layer_lists(argv: Sequence[str]) -> list[str]:
+    """``-l -2,-1`` as ``--layers=-2,-1``: argparse takes a value that starts with a dash for an
+    option unless it is one negative number."""
+    args, i = [], 0
+    while i < len(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        if argv[i] in ("-l", "--layers") and _NEGATIVE_FIRST.match(value):
+            args.append(f"--layers={value}")
+            i += 2
+        else:
+            args.append(argv[i])
+            i += 1
+    return args
+
+
+_NEGATIVE_FIRST = re.compile(r"-[0-9]")
+
+
 def main(argv: Sequence[str] | None = None, *, llm_factory: Callable | None = None) -> int:
     """Entry point. ``llm_factory(model, components, engine_options)`` builds the engine
     (tests inject a shared one)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_joined_layer_lists(sys.argv[1:] if argv is None else argv))
     factory = llm_factory or _default_llm_factory
     try:
         if args.command == "extract":
