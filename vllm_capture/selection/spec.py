@@ -269,7 +269,8 @@ class SelectSpec:
             if covered:
                 select_all = getattr(self, phase) == PHASE_ALL
                 _check_excludes_leave_rows(phase, select_all, include, exclude)
-                clauses[phase] = _PhaseClause(select_all, _Selectors(*include), _Selectors(*exclude))
+                clauses[phase] = _PhaseClause(select_all, _Selectors(*include),
+                                              _Selectors(*exclude))
             else:
                 for kind, value in zip(_SELECTORS, exclude):
                     if value is not None:
