@@ -44,6 +44,27 @@ def test_start_capture_carries_torch_dtypes_and_numpy_layers_to_the_worker():
     assert (worker_side.dtype, worker_side.layers) == (torch.float16, {1, 2})
 
 
+@pytest.mark.parametrize("config, field", [
+    (dict(budget_rows=2 ** 70), "budget_rows"),
+    (dict(layers=[0, 2 ** 70]), "layers"),
+    (dict(dtype=np.float16), "dtype"),
+])
+def test_start_capture_names_a_value_the_rpc_could_not_carry(config, field):
+    """vLLM's encoder would refuse these naming no field (an int past 2**64, a numpy type)."""
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        vc.start_capture(_NoEngine(), vc.HIDDEN_STATES, **config)
+
+
+def test_numpy_ints_are_ints_everywhere_a_count_or_layer_goes(monkeypatch):
+    config = StreamConfig(layers=[np.int64(1)], budget_rows=np.int32(5))
+    assert config.layers == {1} and config.budget_rows == 5
+    assert type(next(iter(config.layers))) is int and type(config.budget_rows) is int
+    monkeypatch.setattr(vc.api, "_run", lambda llm, checked: checked)
+    checked = vc.capture(_EncodingEngine({"tp_rank": 0, "enabled": False}), ["a"],
+                         budget_rows=np.int64(5), layers=[np.int64(0)])
+    assert checked.config["budget_rows"] == 5 and type(checked.config["budget_rows"]) is int
+
+
 def test_fetch_carries_numpy_layer_ids_and_tuples_of_request_ids():
     llm = _EncodingEngine({"tp_rank": 0, "tp_size": 1, "layers": {}})
     assert vc.fetch_captured(llm, vc.HIDDEN_STATES, layers=[np.int32(3)],

@@ -107,7 +107,13 @@ class Call:
 
 
 def start_call(stream: str, config: dict) -> Call:
+    from vllm_capture.session.config import StreamConfig
+
     config = {key: _rpc_value(value) for key, value in config.items()}
+    if set(config) <= set(inspect.signature(StreamConfig).parameters):
+        # Named here what the RPC's encoder would refuse naming nothing (an int past 2**64,
+        # a numpy dtype); the workers check it again, and refuse unknown keys by name.
+        StreamConfig(**config)
     return Call("start_capture", (stream, config), lambda replies: _by_rank(replies)[0])
 
 
@@ -570,7 +576,7 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
         params.append(p)
     config: dict[str, Any] = {"layers": _rpc_value(layers), "dtype": dtype,
                               "select": spec.to_wire() if spec is not None else None,
-                              "budget_rows": budget_rows}
+                              "budget_rows": _rpc_value(budget_rows)}
     StreamConfig(**config)
     if capture_status(llm, stream)["enabled"]:
         # Starting it afresh would drop what it holds, uncounted.

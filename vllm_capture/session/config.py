@@ -6,6 +6,7 @@ checked up front with a message naming it: a bad value must fail
 """
 
 import logging
+import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,8 +64,10 @@ def resolve_storage_dtype(name: str | torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value: Any, limit: int) -> bool:
+    """An int (numpy's too; bool is not one) in ``[0, limit)``: the wire carries it (vLLM's
+    encoder refuses an int past 2**64, naming no field)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < limit
 
 
 class StreamConfig:
@@ -96,23 +99,24 @@ class StreamConfig:
             select = _canonical_select(select)
         if layers is not None:
             if not isinstance(layers, (list, tuple, set, frozenset)) or not all(
-                _is_int(layer) and layer >= 0 for layer in layers
+                _is_int(layer, 2 ** 31) for layer in layers
             ):
                 raise ValueError(
-                    f"layers must be None or a list of nonnegative ints, got {layers!r}"
+                    f"layers must be None or a list of nonnegative ints (below 2**31), got "
+                    f"{layers!r}"
                 )
             if not layers:
                 # An empty list would enable a stream that can never capture.
                 raise ValueError("layers must name at least one layer, or be None for all")
-        if budget_rows is not None and not (_is_int(budget_rows) and budget_rows >= 0):
+        if budget_rows is not None and not _is_int(budget_rows, 2 ** 63):
             raise ValueError(
-                f"budget_rows must be None or a nonnegative int, got {budget_rows!r}"
+                f"budget_rows must be None or a nonnegative int (below 2**63), got {budget_rows!r}"
             )
-        self.layers = set(layers) if layers is not None else None
+        self.layers = set(map(int, layers)) if layers is not None else None
         self.dtype = resolve_storage_dtype(dtype) if dtype is not None else None
         self.reduce = reduce
         self.select = select
-        self.budget_rows = budget_rows
+        self.budget_rows = None if budget_rows is None else int(budget_rows)
         if reduce == "all" and select is None and budget_rows is None:
             _warn_unbounded()
 
