@@ -63,6 +63,12 @@ def test_numpy_ints_are_ints_everywhere_a_count_or_layer_goes(monkeypatch):
     checked = vc.capture(_EncodingEngine({"tp_rank": 0, "enabled": False}), ["a"],
                          budget_rows=np.int64(5), layers=[np.int64(0)])
     assert checked.config["budget_rows"] == 5 and type(checked.config["budget_rows"]) is int
+    kw = vc.engine_kwargs(buffer_bytes=np.int64(2 ** 30), reduce_slots=np.int32(8))
+    assert kw["additional_config"]["capture"]["buffer_bytes"] == 2 ** 30
+    assert type(kw["additional_config"]["capture"]["reduce_slots"]) is int
+    batches = list(vc.capture_batches(_EncodingEngine({"tp_rank": 0, "enabled": False}),
+                                      list("abc"), batch_size=np.int64(2)))
+    assert [len(c.prompts) for c in batches] == [2, 1]
 
 
 def test_fetch_carries_numpy_layer_ids_and_tuples_of_request_ids():

@@ -742,9 +742,10 @@ def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
 
     ``kwargs`` are ``capture()``'s. Every argument is checked here, before the first batch runs
     (the layers the model has when the first batch starts the stream, before it generates)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+            or batch_size < 1):
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    return _batches(llm, _check_call(llm, prompts, **kwargs), batch_size)
+    return _batches(llm, _check_call(llm, prompts, **kwargs), int(batch_size))
 
 
 def _batches(llm, checked: _Checked, batch_size: int) -> Iterator[CaptureResult]:

@@ -55,6 +55,7 @@ import functools
 import hashlib
 import json
 import math
+import numbers
 import os
 import re
 import sys
@@ -242,9 +243,10 @@ def parse_layers(value: str | Sequence[int] | None) -> list[int] | None:
         return None
     if not isinstance(value, str):
         items = list(value)
-        if not items or any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+        if not items or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                            for v in items):
             raise UsageError(f"--layers: expected a list of ints, got {value!r}")
-        return sorted(set(items))
+        return sorted(set(map(int, items)))
     text = value.strip().lower()
     if text == "all":
         return None
@@ -324,9 +326,9 @@ def check_selects_something(spec, max_tokens: int, where: str) -> None:
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise UsageError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def resolve_storage_dtype_name(value: str | None) -> str | None:

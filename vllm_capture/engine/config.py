@@ -7,6 +7,7 @@ makes artifacts of older vllm-capture releases miss the cache too.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, field
 
 from vllm_capture.session.components import COMPONENTS
@@ -43,8 +44,9 @@ class EngineCaptureConfig:
             value = getattr(self, name)
             if name != "ring_slots" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # it travels in vLLM's JSON config
         if self.version != CONFIG_VERSION:
             raise ValueError(f"version: this vllm-capture speaks config version {CONFIG_VERSION}, "
                              f"got {self.version!r}")
