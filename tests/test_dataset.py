@@ -220,9 +220,13 @@ def test_lazy_access_by_prompt_position_and_id(tmp_path):
         ds.rows("hidden_states", 0, prompt="nope")
     with pytest.raises(IndexError):
         ds.rows("hidden_states", 0, prompt=len(PROMPTS))
-    for bad in ([2.7], [True], ["2"]):
-        with pytest.raises(TypeError, match="positions"):
+    # Nor values that iterate as others: bytes as byte codes, a dict as its keys, nested lists.
+    for bad in ([2.7], [True], ["2"], b"\x01\x02", {1: 0}, [[1, 2]], [2 ** 70]):
+        with pytest.raises(TypeError, match="^positions: expected an int or an iterable of ints"):
             ds.rows("hidden_states", 0, positions=bad)
+    for bad in (1.0, b"\x01\x02", {"doc-1": 0}, torch.tensor(1)):
+        with pytest.raises(TypeError, match="^prompt: expected an index"):
+            ds.rows("hidden_states", 0, prompt=bad)
     for bad in (-1, [3, -1]):  # positions are absolute: a negative one would match nothing
         with pytest.raises(ValueError, match="positions: expected values >= 0"):
             ds.rows("hidden_states", 0, positions=bad)

@@ -271,11 +271,12 @@ def _as_index_set(values, name: str) -> np.ndarray:
     if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
         arr = np.array([int(values)], dtype=np.int64)
     else:
+        # bytes and dicts iterate as other values (byte codes, keys): never positions.
         try:
-            arr = np.array(list(values))
-        except TypeError:
+            arr = None if isinstance(values, (bytes, bytearray, dict)) else np.array(list(values))
+        except (TypeError, OverflowError):
             arr = None
-        if arr is None or (arr.size and arr.dtype.kind not in "iu"):
+        if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise TypeError(f"{name}: expected an int or an iterable of ints, got {values!r}")
     if (arr < 0).any():  # positions count from 0: a negative one would match nothing
         raise ValueError(f"{name}: expected values >= 0, got {values!r}")
@@ -575,7 +576,13 @@ class CaptureDataset:
     def _prompt_indices(self, prompt) -> np.ndarray | None:
         if prompt is None:
             return None
-        items = [prompt] if isinstance(prompt, (str, int, np.integer)) else list(prompt)
+        if isinstance(prompt, (str, int, np.integer)):
+            items = [prompt]
+        elif isinstance(prompt, (list, tuple, range, np.ndarray)):
+            items = list(prompt)
+        else:  # bytes, dicts and the like iterate as other values
+            raise TypeError(f"prompt: expected an index (int), an id (str) or a list of them, "
+                            f"got {prompt!r}")
         out = []
         for item in items:
             if isinstance(item, str):
