@@ -127,6 +127,10 @@ def test_capture_batches_reads_an_iterator_of_selections_once(monkeypatch):
     (dict(layers="1"), "^layers"),
     (dict(dtype="int8"), "^dtype"),
     (dict(budget_rows=-1), "^budget_rows"),
+    (dict(max_tokens=True), "^max_tokens: expected an int >= 1, got True"),
+    (dict(max_tokens=2.0), "^max_tokens: expected an int >= 1, got 2.0"),
+    (dict(max_tokens=0), "^max_tokens: expected an int >= 1, got 0"),
+    (dict(per_prompt_selects=5), "^per_prompt_selects: expected one entry per prompt, got 5"),
     (dict(select={"nonsense": 1}), "select"),
     # Generated rows only, with max_tokens=1 (the default): no row could be captured.
     (dict(select=vc.SelectSpec(generation="all")), "^select: selects generated rows only, but "

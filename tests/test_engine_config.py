@@ -60,7 +60,9 @@ def test_reduce_slots_default_to_every_request_that_can_run_at_once():
 @pytest.mark.parametrize("field,value", [("buffer_bytes", 0), ("buffer_bytes", True),
                                          ("reduce_slots", -1), ("ring_slots", 1.5),
                                          ("components", "hidden_states"), ("components", []),
-                                         ("components", None)])
+                                         ("components", None),
+                                         ("components", ["hidden_states", "hidden_states"]),
+                                         ("version", True)])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineCaptureConfig(**{field: value})

@@ -469,7 +469,11 @@ def _select_list(per_prompt_selects, count: int) -> list:
     if isinstance(per_prompt_selects, (str, dict, SelectSpec)):
         raise ValueError(f"per_prompt_selects: expected one entry per prompt (a SelectSpec, its "
                          f"wire dict or None), got one {type(per_prompt_selects).__name__}")
-    selects = list(per_prompt_selects)
+    try:
+        selects = list(per_prompt_selects)
+    except TypeError:
+        raise ValueError(f"per_prompt_selects: expected one entry per prompt, got "
+                         f"{per_prompt_selects!r}") from None
     if len(selects) != count:
         raise ValueError(f"per_prompt_selects: {len(selects)} entries for {count} prompts")
     return selects
@@ -544,6 +548,11 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
     else:
         per_prompt = [None] * len(prompts)
     given = sampling_params
+    if max_tokens is not None:
+        if (isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral)
+                or max_tokens < 1):
+            raise ValueError(f"max_tokens: expected an int >= 1, got {max_tokens!r}")
+        max_tokens = int(max_tokens)  # vLLM takes a float or bool as given
     if sampling_params is None:
         sampling_kwargs.setdefault("temperature", 0.0)
         sampling_params = SamplingParams(max_tokens=1 if max_tokens is None else max_tokens,

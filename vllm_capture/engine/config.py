@@ -39,6 +39,8 @@ class EngineCaptureConfig:
         bad = [c for c in comps if c not in COMPONENTS]
         if not comps or bad:
             raise ValueError(f"components: unknown {bad or 'empty list'}; choose from {list(COMPONENTS)}")
+        if len(set(comps)) != len(comps):
+            raise ValueError(f"components: {list(comps)} names a component twice")
         object.__setattr__(self, "components", comps)
         for name in ("buffer_bytes", "reduce_slots", "ring_slots"):
             value = getattr(self, name)
@@ -47,7 +49,7 @@ class EngineCaptureConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
             object.__setattr__(self, name, int(value))  # it travels in vLLM's JSON config
-        if self.version != CONFIG_VERSION:
+        if isinstance(self.version, bool) or self.version != CONFIG_VERSION:
             raise ValueError(f"version: this vllm-capture speaks config version {CONFIG_VERSION}, "
                              f"got {self.version!r}")
 
