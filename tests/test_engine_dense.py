@@ -699,8 +699,11 @@ def test_parallel_samples_are_captured_as_requests_of_their_own(llm, hf):
 
 def test_layers_no_selected_row_reached_are_empty_not_missing(llm):
     """A batch whose selection matches nothing holds every layer asked for, as [0, width]."""
-    prompts = [tokens_prompt(p) for p in _prompts(911, [5, 7, 3])]
-    last, never = vc.SelectSpec.last_prompt_token(), vc.SelectSpec(generation_positions=(9,))
+    ids = _prompts(911, [5, 7, 3])
+    prompts = [tokens_prompt(p) for p in ids]
+    # A token no prompt holds (a generated-rows-only clause that cannot match is refused).
+    absent = min(set(range(max(map(max, ids)) + 2)) - {t for p in ids for t in p})
+    last, never = vc.SelectSpec.last_prompt_token(), vc.SelectSpec(prompt_tokens=(absent,))
     full, empty = capture_batches(llm, prompts, batch_size=2, max_tokens=2, layers=[1, 3],
                                   per_prompt_selects=[last, never, never])
     assert sorted(full.layers) == sorted(empty.layers) == [1, 3]
