@@ -426,9 +426,9 @@ def load_log(path: Path | str) -> np.ndarray:
     """A saved ``.npy`` log; where it is missing, its gzipped twin (``.npy.gz``: the committed
     logs are kept so, as every H200 call carries the tree)."""
     path = Path(path)
-    if path.exists() or not Path(f"{path}.gz").exists():
+    if path.suffix != ".gz" and (path.exists() or not Path(f"{path}.gz").exists()):
         return np.load(path)
-    with gzip.open(f"{path}.gz", "rb") as f:
+    with gzip.open(path if path.suffix == ".gz" else f"{path}.gz", "rb") as f:
         return np.load(io.BytesIO(f.read()))
 
 

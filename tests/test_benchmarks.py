@@ -2031,6 +2031,7 @@ def test_load_log_reads_a_log_or_its_gzipped_twin(tmp_path):
     assert not SA.log_exists(tmp_path / "none.npy")
     assert np.array_equal(SA.load_log(plain), rows)
     assert np.array_equal(SA.load_log(packed), rows * 2)
+    assert np.array_equal(SA.load_log(packed.with_name("step_alternation.npy.gz")), rows * 2)
     with pytest.raises(FileNotFoundError):
         SA.load_log(tmp_path / "none.npy")
 

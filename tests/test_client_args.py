@@ -147,8 +147,12 @@ def test_capture_batches_checks_every_argument_before_the_first_batch(kwargs, me
         vc.capture_batches(_NoEngine(), ["a", "b", "c"], batch_size=1, **kwargs)
 
 
-def test_a_selection_in_given_sampling_params_is_refused():
+def test_a_selection_in_given_sampling_params_is_refused(monkeypatch):
     from vllm import SamplingParams
+
+    monkeypatch.setattr(vc.api, "_run", lambda llm, checked: checked)
+    none = SamplingParams(max_tokens=1, extra_args={"capture": None})  # no selection: fine
+    vc.capture(_EncodingEngine({"tp_rank": 0, "enabled": False}), ["a"], sampling_params=none)
 
     params = SamplingParams(max_tokens=2, extra_args={"capture": {"prompt": "all"}, "x": 1})
     with pytest.raises(ValueError, match=r"^sampling_params.extra_args\['capture'\]: "):

@@ -227,6 +227,10 @@ def test_lazy_access_by_prompt_position_and_id(tmp_path):
     for bad in (1.0, b"\x01\x02", {"doc-1": 0}, torch.tensor(1)):
         with pytest.raises(TypeError, match="^prompt: expected an index"):
             ds.rows("hidden_states", 0, prompt=bad)
+    # Any other iterable of indices or ids reads as its list.
+    for same in ({1, 3}, (i for i in (3, 1)), np.array([1, 3]), range(1, 4, 2)):
+        assert torch.equal(ds.rows("hidden_states", 0, prompt=same),
+                           ds.rows("hidden_states", 0, prompt=[1, 3]))
     for bad in (-1, [3, -1]):  # positions are absolute: a negative one would match nothing
         with pytest.raises(ValueError, match="positions: expected values >= 0"):
             ds.rows("hidden_states", 0, positions=bad)
@@ -827,9 +831,15 @@ def test_capture_result_per_prompt_accessors_and_a_bf16_round_trip(tmp_path):
     for call in (lambda: result.sample_positions(True), lambda: result.sample(1.0)):
         with pytest.raises(TypeError, match="prompt index: expected an int"):
             call()
-    with pytest.raises(TypeError, match="pos: expected an int position, got True"):
+    with pytest.raises(TypeError, match="pos: expected an int, got True"):
         result.token(0, 0, pos=True)
     assert torch.equal(result.sample_rows(np.int64(1), 0), result.sample_rows(1, 0))
+    # Integer scalars of numpy and torch are ints: the positions a result hands out index it.
+    for pos in result.sample_positions(1):
+        assert torch.equal(result.token(1, 0, pos), result.token(1, 0, int(pos)))
+    assert torch.equal(result.sample_rows(torch.tensor(1), 0), result.sample_rows(1, 0))
+    with pytest.raises(TypeError, match="prompt index: expected an int"):
+        result.sample(torch.tensor(True))
     loaded = api.CaptureResult.load(result.save(tmp_path / "r"))
     assert (loaded.stream, loaded.offsets, loaded.layouts) == (
         result.stream, result.offsets, result.layouts)

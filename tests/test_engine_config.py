@@ -81,6 +81,9 @@ def test_engine_kwargs_refuse_capture_options_inside_additional_config():
         engine_kwargs(additional_config={"capture": {"buffer_bytes": 2 ** 30}})
     with pytest.raises(ValueError, match="^additional_config: expected a dict"):
         engine_kwargs(additional_config='{"a": 1}')
+    # Any iterable of names; a set's in a fixed order (the config enters the compile-cache hash).
+    assert EngineCaptureConfig(components={"router_logits", "hidden_states"}).components == (
+        "hidden_states", "router_logits")
     kw = engine_kwargs(buffer_bytes=2 ** 30, additional_config={"other": 1})
     assert kw["additional_config"]["other"] == 1
     assert kw["additional_config"]["capture"]["buffer_bytes"] == 2 ** 30

@@ -708,6 +708,22 @@ def test_stream_status_names_each_layers_storage_dtype():
     assert engine.session.stream_status(AH)["dtypes"] == {0: "bfloat16", 1: "bfloat16"}
 
 
+def test_the_unbounded_capture_advice_comes_once_from_where_the_stream_is_enabled(monkeypatch,
+                                                                                  caplog):
+    """Not from a client checking a configuration (capture(), start_capture's check), which
+    would print it twice beside a multiprocess engine's worker."""
+    monkeypatch.setattr(config_module, "_warned_unbounded", False)
+    engine = Engine()
+    with caplog.at_level("WARNING"):
+        config_module.StreamConfig()
+        assert "accumulates in CPU memory" not in caplog.text
+        engine.session.enable_stream(HS, budget_rows=5)
+        assert "accumulates in CPU memory" not in caplog.text
+        engine.session.enable_stream(AH)
+        engine.session.enable_stream(HS)
+    assert caplog.text.count("accumulates in CPU memory") == 1
+
+
 def test_a_fetch_of_layers_the_stream_does_not_capture_is_refused_by_name():
     """Layers the model lacks, negative ids and hooked layers the stream leaves out: an error
     naming them, not an empty result (start_capture refuses the same ids)."""

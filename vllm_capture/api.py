@@ -6,6 +6,7 @@ import inspect
 import json
 import logging
 import numbers
+import operator
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,6 +280,17 @@ def needs_full_prompt(spec: SelectSpec | None) -> bool:
     return any(p != -1 for p in (wire["prompt_positions"] or ()))
 
 
+def _as_index(value, name: str) -> int:
+    """An int, from anything that is one (numpy's, a 0-d integer tensor); True and 1.0 are a
+    caller's bug, never prompt 1 or position 1."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name}: expected an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {value!r}") from None
+
+
 @dataclass
 class CaptureResult:
     """Captured rows of one ``capture()`` call, grouped per prompt (prompt order)."""
@@ -300,37 +312,35 @@ class CaptureResult:
             raise KeyError(f"layer {layer!r} was not captured; captured layers: "
                            f"{sorted(self.layers)}")
 
-    def _check_index(self, i: int) -> None:
-        # bool is an int subclass: True as a prompt index is a caller's bug, not prompt 1.
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise TypeError(f"prompt index: expected an int, got {i!r}")
+    def _check_index(self, i: int) -> int:
+        i = _as_index(i, "prompt index")
         if not 0 <= i < len(self.offsets) - 1:
             raise IndexError(f"prompt index {i} out of range for {len(self.offsets) - 1} prompts")
+        return i
 
     def sample(self, i: int) -> dict[int, torch.Tensor]:
-        self._check_index(i)
+        i = self._check_index(i)
         return {layer: t[self.offsets[i]: self.offsets[i + 1]] for layer, t in self.layers.items()}
 
     def sample_rows(self, i: int, layer: int) -> torch.Tensor:
-        self._check_index(i)
+        i = self._check_index(i)
         self._check_layer(layer)
         return self.layers[layer][self.offsets[i]: self.offsets[i + 1]]
 
     def sample_positions(self, i: int) -> torch.Tensor:
-        self._check_index(i)
+        i = self._check_index(i)
         first = next(iter(self._meta.values()))
         return first.positions[self.offsets[i]: self.offsets[i + 1]]
 
     def sample_token_ids(self, i: int) -> torch.Tensor:
-        self._check_index(i)
+        i = self._check_index(i)
         first = next(iter(self._meta.values()))
         return first.token_ids[self.offsets[i]: self.offsets[i + 1]]
 
     def token(self, i: int, layer: int, pos: int = -1) -> torch.Tensor:
         """Row of prompt ``i`` at absolute position ``pos`` (-1: the prompt's last captured row)."""
         rows = self.sample_rows(i, layer)
-        if isinstance(pos, bool) or not isinstance(pos, numbers.Integral):
-            raise TypeError(f"pos: expected an int position, got {pos!r}")
+        pos = _as_index(pos, "pos")
         if pos == -1:
             if len(rows) == 0:
                 raise KeyError(f"prompt {i} has no captured rows")
@@ -565,19 +575,21 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
         raise ValueError(f"pass either sampling_params or sampling keywords, not both ({given})")
     if sampling_params.n != 1:
         raise ValueError("sampling_params.n: capture supports n=1 only")
-    if EXTRA_ARGS_KEY in (sampling_params.extra_args or {}):
+    if (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY) is not None:
         raise ValueError(f"{'extra_args' if given is None else 'sampling_params.extra_args'}"
                          f"[{EXTRA_ARGS_KEY!r}]: capture() sets each prompt's selection itself; "
                          f"pass select= or per_prompt_selects= instead")
     params = []
+    reachable: set[SelectSpec] = set()  # a batch's prompts mostly share their selection
     for i, own in enumerate(per_prompt):
         p = sampling_params.clone()
         effective = own if own is not None else spec
-        if effective is not None and p.max_tokens is not None:
+        if effective is not None and p.max_tokens is not None and effective not in reachable:
             empty = effective.selects_nothing_at(p.max_tokens)
             if empty is not None:
                 where = "select" if own is None else f"per_prompt_selects[{i}]"
                 raise ValueError(f"{where}: {empty}; the selection would capture nothing")
+            reachable.add(effective)
         if own is not None:
             p.extra_args = {**(p.extra_args or {}), EXTRA_ARGS_KEY: {stream: own.to_wire()}}
         if needs_full_prompt(effective):

@@ -321,8 +321,7 @@ def check_selects_something(spec, max_tokens: int, where: str) -> None:
     """UsageError if ``spec`` can capture no row of a request that ``max_tokens`` feeds."""
     reason = spec.selects_nothing_at(max_tokens)
     if reason is not None:
-        raise UsageError(f"{where}: {reason}; the selection would capture nothing "
-                         f"(--max-tokens {max_tokens})")
+        raise UsageError(f"{where}: {reason}; the selection would capture nothing")
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -1093,8 +1092,9 @@ def plot_norms(path: str | os.PathLike, out_png: str | os.PathLike,
     out_png = Path(out_png)
     if not out_png.suffix:  # matplotlib would add it: say the name it writes
         out_png = out_png.with_name(out_png.name + ".png")
-    formats = plt.gcf().canvas.get_supported_filetypes()
-    plt.close()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
     if out_png.suffix[1:].lower() not in formats:
         raise UsageError(f"--plot: cannot write a {out_png.suffix!r} file; use one of "
                          f"{sorted('.' + f for f in formats)}")

@@ -67,6 +67,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -578,11 +579,14 @@ class CaptureDataset:
             return None
         if isinstance(prompt, (str, int, np.integer)):
             items = [prompt]
-        elif isinstance(prompt, (list, tuple, range, np.ndarray)):
-            items = list(prompt)
-        else:  # bytes, dicts and the like iterate as other values
-            raise TypeError(f"prompt: expected an index (int), an id (str) or a list of them, "
-                            f"got {prompt!r}")
+        else:
+            try:  # bytes and mappings iterate as other values (byte codes, keys)
+                items = None if isinstance(prompt, (bytes, bytearray, Mapping)) else list(prompt)
+            except TypeError:
+                items = None
+            if items is None:
+                raise TypeError(f"prompt: expected an index (int), an id (str) or a list of "
+                                f"them, got {prompt!r}")
         out = []
         for item in items:
             if isinstance(item, str):

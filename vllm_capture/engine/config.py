@@ -8,6 +8,7 @@ makes artifacts of older vllm-capture releases miss the cache too.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from vllm_capture.session.components import COMPONENTS
@@ -32,7 +33,8 @@ class EngineCaptureConfig:
     version: int = field(default=CONFIG_VERSION)
 
     def __post_init__(self):
-        if not isinstance(self.components, (list, tuple)):  # tuple("abc") splits letters
+        # tuple("abc") would split a string into letters
+        if isinstance(self.components, (str, bytes)) or not isinstance(self.components, Iterable):
             raise ValueError(f"components: expected a list of component names, got "
                              f"{self.components!r}; choose from {list(COMPONENTS)}")
         comps = tuple(self.components)
@@ -41,6 +43,10 @@ class EngineCaptureConfig:
             raise ValueError(f"components: unknown {bad or 'empty list'}; choose from {list(COMPONENTS)}")
         if len(set(comps)) != len(comps):
             raise ValueError(f"components: {list(comps)} names a component twice")
+        if not isinstance(self.components, (list, tuple)):
+            # A set's order changes from process to process, and the config enters vLLM's
+            # compile-cache hash.
+            comps = tuple(sorted(comps, key=COMPONENTS.index))
         object.__setattr__(self, "components", comps)
         for name in ("buffer_bytes", "reduce_slots", "ring_slots"):
             value = getattr(self, name)

@@ -364,12 +364,14 @@ class SelectSpec:
         if max_tokens < 2:
             return (f"selects generated rows only, but max_tokens={max_tokens} feeds none "
                     f"(max_tokens=N feeds N-1 generated rows)")
-        # Past its largest position or window bound, a clause treats every step alike, so the
-        # steps up to there (or to the last step fed) decide.
+        # A step's fate changes only at a position or window bound, so the first and last step
+        # fed and the steps beside each bound decide.
         bounds = [v for name in ("generation_positions", "generation_window",
                                  "exclude_generation_positions", "exclude_generation_window")
                   for v in getattr(self, name) or () if v is not None]
-        steps = np.arange(min(max_tokens - 1, max(bounds, default=0) + 2))
+        last = max_tokens - 2
+        steps = np.array(sorted({0, last} | {min(max(b + d, 0), last) for b in bounds
+                                             for d in (-1, 0, 1)}), dtype=np.int64)
         match = self.match_generation(steps, np.full(steps.shape, UNKNOWN_TOKEN))
         if not (match.keep | match.keep_unless_excluded | match.keep_if_included).any():
             return (f"selects generated rows only, but no decode step that max_tokens="

@@ -117,8 +117,6 @@ class StreamConfig:
         self.reduce = reduce
         self.select = select
         self.budget_rows = None if budget_rows is None else int(budget_rows)
-        if reduce == "all" and select is None and budget_rows is None:
-            _warn_unbounded()
 
     @property
     def selects_rows(self) -> bool:
@@ -151,9 +149,11 @@ def _canonical_select(select: Any) -> dict:
         raise ValueError(f"select is not a valid SelectSpec wire dict: {exc}") from exc
 
 
-def _warn_unbounded() -> None:
+def warn_if_unbounded(config: StreamConfig) -> None:
+    """Where a stream is enabled (the worker; a client checking a config does not warn)."""
     global _warned_unbounded
-    if _warned_unbounded:
+    if _warned_unbounded or not (config.reduce == "all" and config.select is None
+                                 and config.budget_rows is None):
         return
     _warned_unbounded = True
     logger.warning(

@@ -38,7 +38,7 @@ from vllm_capture.selection import (
     plan_segments,
 )
 from vllm_capture.session.components import COMPONENTS
-from vllm_capture.session.config import StreamConfig, storage_dtype_name
+from vllm_capture.session.config import StreamConfig, storage_dtype_name, warn_if_unbounded
 from vllm_capture.session.shm import WRITE_PARTS
 from vllm_capture.session.store import StreamStore, check_fetch_filters
 
@@ -272,6 +272,7 @@ class CaptureSession:
             raise ValueError(f"unknown stream option(s) {unknown}; StreamConfig takes "
                              f"{sorted(allowed)}")
         config = StreamConfig(**config_kwargs)
+        warn_if_unbounded(config)
         available = self.hooked_layers(stream)
         if not available:
             raise ValueError(
