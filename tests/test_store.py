@@ -123,9 +123,9 @@ def test_config_canonicalizes_select_and_round_trips():
 def test_unbounded_config_warns_once(monkeypatch, caplog):
     monkeypatch.setattr(config_module, "_warned_unbounded", False)
     with caplog.at_level(logging.WARNING, logger="vllm_capture"):
-        StreamConfig()
-        StreamConfig()
-        StreamConfig(budget_rows=5)
+        config_module.warn_if_unbounded(StreamConfig())
+        config_module.warn_if_unbounded(StreamConfig())
+        config_module.warn_if_unbounded(StreamConfig(budget_rows=5))
     warnings = [r for r in caplog.records if "no budget_rows" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].name == "vllm_capture"
 
@@ -133,9 +133,9 @@ def test_unbounded_config_warns_once(monkeypatch, caplog):
 def test_bounded_configs_do_not_warn(monkeypatch, caplog):
     monkeypatch.setattr(config_module, "_warned_unbounded", False)
     with caplog.at_level(logging.WARNING, logger="vllm_capture"):
-        StreamConfig(budget_rows=5)
-        StreamConfig(select={"generation": "all"})
-        StreamConfig(reduce="last")
+        config_module.warn_if_unbounded(StreamConfig(budget_rows=5))
+        config_module.warn_if_unbounded(StreamConfig(select={"generation": "all"}))
+        config_module.warn_if_unbounded(StreamConfig(reduce="last"))
     assert not caplog.records
 
 
