@@ -557,7 +557,7 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
                       for i, s in enumerate(_select_list(per_prompt_selects, len(prompts)))]
     else:
         per_prompt = [None] * len(prompts)
-    given = sampling_params
+    caller_params = sampling_params is not None
     if max_tokens is not None:
         if (isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral)
                 or max_tokens < 1):
@@ -576,7 +576,7 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
     if sampling_params.n != 1:
         raise ValueError("sampling_params.n: capture supports n=1 only")
     if (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY) is not None:
-        raise ValueError(f"{'extra_args' if given is None else 'sampling_params.extra_args'}"
+        raise ValueError(f"{'sampling_params.extra_args' if caller_params else 'extra_args'}"
                          f"[{EXTRA_ARGS_KEY!r}]: capture() sets each prompt's selection itself; "
                          f"pass select= or per_prompt_selects= instead")
     params = []

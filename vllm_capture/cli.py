@@ -1088,12 +1088,11 @@ def plot_norms(path: str | os.PathLike, out_png: str | os.PathLike,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.backend_bases import FigureCanvasBase
 
     out_png = Path(out_png)
     if not out_png.suffix:  # matplotlib would add it: say the name it writes
         out_png = out_png.with_name(out_png.name + ".png")
-    from matplotlib.backend_bases import FigureCanvasBase
-
     formats = FigureCanvasBase.get_supported_filetypes()
     if out_png.suffix[1:].lower() not in formats:
         raise UsageError(f"--plot: cannot write a {out_png.suffix!r} file; use one of "

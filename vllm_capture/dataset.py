@@ -272,9 +272,10 @@ def _as_index_set(values, name: str) -> np.ndarray:
     if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
         arr = np.array([int(values)], dtype=np.int64)
     else:
-        # bytes and dicts iterate as other values (byte codes, keys): never positions.
+        # bytes and mappings iterate as other values (byte codes, keys): never positions.
         try:
-            arr = None if isinstance(values, (bytes, bytearray, dict)) else np.array(list(values))
+            arr = (None if isinstance(values, (bytes, bytearray, Mapping))
+                   else np.array(list(values)))
         except (TypeError, OverflowError):
             arr = None
         if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):

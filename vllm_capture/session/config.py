@@ -67,7 +67,8 @@ def resolve_storage_dtype(name: str | torch.dtype) -> torch.dtype:
 def _is_int(value: Any, limit: int) -> bool:
     """An int (numpy's too; bool is not one) in ``[0, limit)``: the wire carries it (vLLM's
     encoder refuses an int past 2**64, naming no field)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < limit
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and 0 <= value < limit)
 
 
 class StreamConfig:
