@@ -1306,6 +1306,47 @@ def test_rows_a_request_recomputes_below_its_cut_are_not_counted_dropped(reduce)
     assert engine.session.stream_status(HS)["tokens_dropped"] == 2
 
 
+@pytest.mark.parametrize("reduce", ["last", "mean"])
+def test_a_resume_past_the_cut_counts_only_the_rows_it_computes(reduce):
+    """Cut after positions 0-4; the resume starts on a prefix-cache hit at 7 (5 and 6 are never
+    computed): 7 and 8 are dropped, 2 in all, and a later full recompute adds none."""
+    engine = Engine(acc_slots=4)
+    engine.session.enable_stream(HS, reduce=reduce)
+    a = Req(num=0, prompt=list(range(10)), gen=[1, 0])
+    engine.step([(a, 4)])
+    engine.step([(a, 1)])  # position 4
+    decode_rows(*engine.fetch(HS, req_ids=[a.rid]))
+    engine.preempt(a, resume_at=7)
+    engine.step([(a, 2)])  # positions 7, 8
+    assert engine.session.stream_status(HS)["tokens_dropped"] == 2
+    engine.preempt(a)
+    engine.step([(a, 9)])  # positions 0-8 again
+    assert engine.session.stream_status(HS)["tokens_dropped"] == 2
+
+
+@pytest.mark.parametrize("told_finished", [False, True])
+def test_a_clear_keeps_an_elision_while_its_mean_holds_a_slot(told_finished):
+    """Preempted (out of the batch, its slot kept), a's elision outlives a clear and its fetch
+    raises; told finished before the clear, its partial mean goes with the clear, and the
+    elision with it: nothing returned, nothing raised."""
+    engine = Engine()
+    engine.session.enable_stream(HS, reduce="mean")
+    a = Req(num=0, prompt=[0, 1, 2, 3], gen=[1, 2, 0], cache_hit=2)
+    engine.step([(a, 2)])  # positions 2, 3: 0 and 1 came from the prefix cache
+    if told_finished:
+        engine.step([(a, 1)])
+        engine.session.finish_requests([a.rid])
+    else:
+        engine.preempt(a)
+    engine.session.clear_stream(HS)
+    assert engine.session.stream_status(HS)["cache_elided_reqs"] == int(not told_finished)
+    if told_finished:
+        assert decode_rows(*engine.fetch(HS, req_ids=[a.rid])) == {}
+    else:
+        with pytest.raises(RuntimeError, match="skip_reading_prefix_cache"):
+            engine.session.fetch_stream(HS, req_ids=[a.rid])
+
+
 def test_clearing_a_mean_stream_keeps_a_running_requests_elision():
     """a's mean lacks positions 0 and 1 (a prefix-cache hit): a clear while it runs must not
     let that mean, over positions 2-5 only, be fetched as if whole."""
