@@ -108,7 +108,9 @@ class Stream:
     closed: set[str] = field(default_factory=set)
     # Reductions a fetch closed before the worker heard that their request finished, each with
     # the first position it did not take: rows the request computes from there are not reduced,
-    # and count as dropped (rows it recomputes below it, after a preemption, were reduced).
+    # and count as dropped. Rows it recomputes below it, after a preemption, do not count: the
+    # reduction took them, or never wanted them (below a prefix-cache hit it started on, or
+    # before the stream started). A clear leaves the marks.
     cut: dict[str, int] = field(default_factory=dict)
     # reduce="all": the steps whose rows wait in the device ring, as planned; and finish markers
     # of requests whose rows may be among them.
