@@ -108,10 +108,10 @@ class Call:
 
 
 def start_call(stream: str, config: dict) -> Call:
-    from vllm_capture.session.config import StreamConfig
+    from vllm_capture.session.config import STREAM_OPTIONS, StreamConfig
 
     config = {key: _rpc_value(value) for key, value in config.items()}
-    if set(config) <= set(inspect.signature(StreamConfig).parameters):
+    if set(config) <= STREAM_OPTIONS:
         # Named here what the RPC's encoder would refuse naming nothing (an int past 2**64,
         # a numpy dtype); the workers check it again, and refuse unknown keys by name.
         StreamConfig(**config)
@@ -278,6 +278,13 @@ def needs_full_prompt(spec: SelectSpec | None) -> bool:
     if wire["prompt"] == "all" or wire["prompt_tokens"] or wire["prompt_window"]:
         return True
     return any(p != -1 for p in (wire["prompt_positions"] or ()))
+
+
+def _count(name: str, value) -> int:
+    """``value`` as an int >= 1 (numpy's too), or ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return int(value)
 
 
 def _as_index(value, name: str) -> int:
@@ -559,10 +566,7 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
         per_prompt = [None] * len(prompts)
     caller_params = sampling_params is not None
     if max_tokens is not None:
-        if (isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral)
-                or max_tokens < 1):
-            raise ValueError(f"max_tokens: expected an int >= 1, got {max_tokens!r}")
-        max_tokens = int(max_tokens)  # vLLM takes a float or bool as given
+        max_tokens = _count("max_tokens", max_tokens)  # vLLM takes a float or bool as given
     if sampling_params is None:
         sampling_kwargs.setdefault("temperature", 0.0)
         sampling_params = SamplingParams(max_tokens=1 if max_tokens is None else max_tokens,
@@ -763,10 +767,8 @@ def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
 
     ``kwargs`` are ``capture()``'s. Every argument is checked here, before the first batch runs
     (the layers the model has when the first batch starts the stream, before it generates)."""
-    if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-            or batch_size < 1):
-        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-    return _batches(llm, _check_call(llm, prompts, **kwargs), int(batch_size))
+    batch_size = _count("batch_size", batch_size)
+    return _batches(llm, _check_call(llm, prompts, **kwargs), batch_size)
 
 
 def _batches(llm, checked: _Checked, batch_size: int) -> Iterator[CaptureResult]:

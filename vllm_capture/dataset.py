@@ -268,14 +268,16 @@ def _check_fields(manifest: dict, where: str) -> None:
             field(shard_rows, component, count, _is_count, f"{prefix}rows.")
 
 
+# Iterables that iterate as other values (byte codes, keys): never a list of indices.
+_NOT_LISTS = (bytes, bytearray, Mapping)
+
+
 def _as_index_set(values, name: str) -> np.ndarray:
     if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
         arr = np.array([int(values)], dtype=np.int64)
     else:
-        # bytes and mappings iterate as other values (byte codes, keys): never positions.
         try:
-            arr = (None if isinstance(values, (bytes, bytearray, Mapping))
-                   else np.array(list(values)))
+            arr = None if isinstance(values, _NOT_LISTS) else np.array(list(values))
         except (TypeError, OverflowError):
             arr = None
         if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
@@ -581,8 +583,8 @@ class CaptureDataset:
         if isinstance(prompt, (str, int, np.integer)):
             items = [prompt]
         else:
-            try:  # bytes and mappings iterate as other values (byte codes, keys)
-                items = None if isinstance(prompt, (bytes, bytearray, Mapping)) else list(prompt)
+            try:
+                items = None if isinstance(prompt, _NOT_LISTS) else list(prompt)
             except TypeError:
                 items = None
             if items is None:

@@ -5,6 +5,7 @@ checked up front with a message naming it: a bad value must fail
 ``start_capture``, not a forward pass later.
 """
 
+import inspect
 import logging
 import numbers
 from typing import TYPE_CHECKING, Any
@@ -135,6 +136,10 @@ class StreamConfig:
             "select": self.select,
             "budget_rows": self.budget_rows,
         }
+
+
+# The keys a stream's configuration takes (``start_capture``'s keywords).
+STREAM_OPTIONS = frozenset(inspect.signature(StreamConfig).parameters)
 
 
 def _canonical_select(select: Any) -> dict:

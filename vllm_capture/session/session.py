@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import inspect
 import json
 import logging
 import queue
@@ -38,7 +37,8 @@ from vllm_capture.selection import (
     plan_segments,
 )
 from vllm_capture.session.components import COMPONENTS
-from vllm_capture.session.config import StreamConfig, storage_dtype_name, warn_if_unbounded
+from vllm_capture.session.config import (STREAM_OPTIONS, StreamConfig, storage_dtype_name,
+                                         warn_if_unbounded)
 from vllm_capture.session.shm import WRITE_PARTS
 from vllm_capture.session.store import StreamStore, check_fetch_filters
 
@@ -268,11 +268,10 @@ class CaptureSession:
                 "Capture hooks are not attached to this model; attachment happens once at model "
                 "load (build the engine with vllm_capture.LLM or vllm_capture.engine_kwargs)."
             )
-        allowed = set(inspect.signature(StreamConfig).parameters)
-        unknown = sorted(set(config_kwargs) - allowed)
+        unknown = sorted(set(config_kwargs) - STREAM_OPTIONS)
         if unknown:
             raise ValueError(f"unknown stream option(s) {unknown}; StreamConfig takes "
-                             f"{sorted(allowed)}")
+                             f"{sorted(STREAM_OPTIONS)}")
         config = StreamConfig(**config_kwargs)
         warn_if_unbounded(config)
         available = self.hooked_layers(stream)
