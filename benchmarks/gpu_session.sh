@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | extract-last | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -168,11 +168,12 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     echo "slow-state rc=$?"
     grep -E "^ ?[0-9]+ " "$OUT/slow_state.log" | tail -40
     ;;
-  extract|extract-last)
+  extract|extract-last|extract-profile)
     # The main job's throughput (issue 6): Llama-3.2-1B shape (dummy weights), 4,096 prompts of
     # 20-120 words, last prompt token of every layer, then every prompt row of 4 layers, then the
     # last token of both hidden states and attention heads. extract-last runs the first alone
     # (about 80 s): with PACKAGE_AT, a point of a comparison with an earlier package on one host.
+    # extract-profile runs it in one process under cProfile (benchmarks/extract_profile.py).
     python3 - <<'PY'
 import random, sys
 from pathlib import Path
@@ -189,6 +190,12 @@ print(folder)
 PY
     X="python3 -m vllm_capture.cli extract /tmp/extract/models/1b /tmp/extract/prompts.txt --load-format dummy --dtype bfloat16 --max-model-len 512 --batch-size 256 --no-progress"
     L=extract_last${PACKAGE_AT:+_$PACKAGE_AT}; rm -rf /tmp/extract/last
+    if [ "$SET" = extract-profile ]; then
+      VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 280 python3 benchmarks/extract_profile.py \
+        --report "$OUT/${L/last/profile}.txt" -- ${X#python3 -m vllm_capture.cli extract} \
+        -o /tmp/extract/last -l all -s last >"$OUT/${L/last/profile}.log" 2>&1
+      echo "extract profile rc=$?"; grep -E "prompts/s" "$OUT/${L/last/profile}.log"; exit 0
+    fi
     timeout 280 $X -o /tmp/extract/last -l all -s last >"$OUT/$L.log" 2>&1; echo "extract last rc=$?"; grep -E "prompts/s" "$OUT/$L.log"
     [ "$SET" = extract-last ] && { echo "== done"; exit 0; }
     timeout 280 $X -o /tmp/extract/all4 -l 0,5,10,15 -s all >"$OUT/extract_all4.log" 2>&1; echo "extract all4 rc=$?"; grep -E "prompts/s" "$OUT/extract_all4.log"
