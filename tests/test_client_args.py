@@ -71,6 +71,25 @@ def test_numpy_ints_are_ints_everywhere_a_count_or_layer_goes(monkeypatch):
     assert [len(c.prompts) for c in batches] == [2, 1]
 
 
+@pytest.mark.parametrize("value, expected", [
+    (3, True), (np.int64(3), True), (np.uint8(3), True), (-1, True),
+    (True, False), (np.bool_(True), False), (3.0, False), (np.float32(3), False), ("3", False),
+    (torch.tensor(3), False), (None, False)])
+def test_one_integer_test_for_every_entry_point(value, expected):
+    from vllm_capture.checks import is_int
+
+    assert is_int(value) is expected
+    # The checks that use it refuse the same values (a count, a layer, a prompt position).
+    if expected:
+        return
+    with pytest.raises(ValueError, match="batch_size"):
+        vc.api._count("batch_size", value)
+    with pytest.raises(ValueError, match="layers"):
+        StreamConfig(layers=[value])
+    with pytest.raises(ValueError, match="prompt_positions"):
+        vc.SelectSpec(prompt_positions=[value])
+
+
 def test_fetch_carries_numpy_layer_ids_and_tuples_of_request_ids():
     llm = _EncodingEngine({"tp_rank": 0, "tp_size": 1, "layers": {}})
     assert vc.fetch_captured(llm, vc.HIDDEN_STATES, layers=[np.int32(3)],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import numbers
 import operator
 import re
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 import numpy as np
 import torch
 
+from vllm_capture.checks import is_int
 from vllm_capture.engine.config import CONFIG_KEY, WORKER_EXTENSION, engine_kwargs
 from vllm_capture.selection import SelectSpec
 from vllm_capture.server import Server
@@ -282,7 +282,7 @@ def needs_full_prompt(spec: SelectSpec | None) -> bool:
 
 def _count(name: str, value) -> int:
     """``value`` as an int >= 1 (numpy's too), or ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
     return int(value)
 

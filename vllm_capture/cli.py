@@ -55,7 +55,6 @@ import functools
 import hashlib
 import json
 import math
-import numbers
 import os
 import re
 import sys
@@ -64,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, get_args
 
+from vllm_capture.checks import is_int
 from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFEST, PROMPT_LENGTH,
                                   PROMPTS_FILE, SHARD_PREFIX, DatasetError, dtype_name,
                                   label_name, load_dataset, prompts_sha256, sha256_file,
@@ -243,8 +243,7 @@ def parse_layers(value: str | Sequence[int] | None) -> list[int] | None:
         return None
     if not isinstance(value, str):
         items = list(value)
-        if not items or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
-                            for v in items):
+        if not items or not all(map(is_int, items)):
             raise UsageError(f"--layers: expected a list of ints, got {value!r}")
         return sorted(set(map(int, items)))
     text = value.strip().lower()
@@ -325,7 +324,7 @@ def check_selects_something(spec, max_tokens: int, where: str) -> None:
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise UsageError(f"{name}: expected an integer >= {minimum}, got {value!r}")
     return int(value)
 

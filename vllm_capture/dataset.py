@@ -74,6 +74,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from vllm_capture.checks import is_int
+
 FORMAT = "vllm-capture-dataset"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -190,7 +192,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _is_name_list(value) -> bool:
@@ -273,7 +275,7 @@ _NOT_LISTS = (bytes, bytearray, Mapping)
 
 
 def _as_index_set(values, name: str) -> np.ndarray:
-    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+    if is_int(values):
         arr = np.array([int(values)], dtype=np.int64)
     else:
         try:
@@ -551,7 +553,7 @@ class CaptureDataset:
     # ---- access ----------------------------------------------------------------------------
 
     def _check_layer(self, component: str, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        if not is_int(layer):
             raise TypeError(f"layer: expected an int, got {layer!r}")
         if int(layer) not in self.layers(component):
             raise KeyError(f"{component}: layer {layer} is not in this dataset "
@@ -598,7 +600,7 @@ class CaptureDataset:
                 if item not in self._id_index:
                     raise KeyError(f"no prompt with id {item!r} in this dataset")
                 out.append(self._id_index[item])
-            elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            elif is_int(item):
                 total = len(self.manifest["request_ids"])
                 index = int(item)
                 if not -total <= index < total:

@@ -7,10 +7,10 @@ makes artifacts of older vllm-capture releases miss the cache too.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+from vllm_capture.checks import is_int
 from vllm_capture.session.components import COMPONENTS
 
 CONFIG_KEY = "capture"
@@ -52,7 +52,7 @@ class EngineCaptureConfig:
             value = getattr(self, name)
             if name != "ring_slots" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
             object.__setattr__(self, name, int(value))  # it travels in vLLM's JSON config
         if isinstance(self.version, bool) or self.version != CONFIG_VERSION:

@@ -9,10 +9,11 @@ mislabel rows, so it is checked on construction and raises ValueError naming the
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
+
+from vllm_capture.checks import is_int
 
 __all__ = ["BatchGeometry", "StepBuffers"]
 
@@ -60,7 +61,7 @@ class BatchGeometry:
             raise ValueError("BatchGeometry.num_computed: must be >= 0")
         rows = int(qsl[-1])
         padded = self.num_rows_padded
-        if isinstance(padded, bool) or not isinstance(padded, numbers.Integral) or padded < rows:
+        if not is_int(padded) or padded < rows:
             raise ValueError(
                 f"BatchGeometry.num_rows_padded: expected an int >= {rows} rows, got {padded!r}"
             )

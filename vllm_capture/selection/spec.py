@@ -17,13 +17,14 @@ position past the prompt end clamps exactly like its include twin would.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import numpy as np
+
+from vllm_capture.checks import is_int
 
 __all__ = ["PHASE_ALL", "UNKNOWN_TOKEN", "RowMatch", "SelectSpec"]
 
@@ -160,8 +161,7 @@ _INT_LIMIT = 2 ** 31
 
 
 def _as_int(name: str, value: Any) -> int:
-    # bool is an int subclass, but True as a token id or position is always a caller bug.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise _field_error(name, f"expected an int, got {value!r} ({type(value).__name__})")
     value = int(value)
     if not -_INT_LIMIT < value < _INT_LIMIT:

@@ -7,10 +7,11 @@ checked up front with a message naming it: a bad value must fail
 
 import inspect
 import logging
-import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from vllm_capture.checks import is_int
 
 if TYPE_CHECKING:
     from vllm_capture.selection import SelectSpec
@@ -68,8 +69,7 @@ def resolve_storage_dtype(name: str | torch.dtype) -> torch.dtype:
 def _is_int(value: Any, limit: int) -> bool:
     """An int (numpy's too; bool is not one) in ``[0, limit)``: the wire carries it (vLLM's
     encoder refuses an int past 2**64, naming no field)."""
-    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-            and 0 <= value < limit)
+    return is_int(value) and 0 <= value < limit
 
 
 class StreamConfig:
