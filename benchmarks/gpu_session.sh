@@ -174,6 +174,7 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # last token of both hidden states and attention heads. extract-last runs the first alone
     # (about 80 s): with PACKAGE_AT, a point of a comparison with an earlier package on one host.
     # extract-profile runs it in one process under cProfile (benchmarks/extract_profile.py).
+    # EXTRACT_ARGS are added to every extract command (engine options: --max-num-seqs 256).
     python3 - <<'PY'
 import random, sys
 from pathlib import Path
@@ -188,7 +189,7 @@ lines = [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(20, 120)))
 Path("/tmp/extract/prompts.txt").write_text("\n".join(lines) + "\n")
 print(folder)
 PY
-    X="python3 -m vllm_capture.cli extract /tmp/extract/models/1b /tmp/extract/prompts.txt --load-format dummy --dtype bfloat16 --max-model-len 512 --batch-size 256 --no-progress"
+    X="python3 -m vllm_capture.cli extract /tmp/extract/models/1b /tmp/extract/prompts.txt --load-format dummy --dtype bfloat16 --max-model-len 512 --batch-size 256 --no-progress ${EXTRACT_ARGS:-}"
     L=extract_last${PACKAGE_AT:+_$PACKAGE_AT}; rm -rf /tmp/extract/last
     if [ "$SET" = extract-profile ]; then
       VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 280 python3 benchmarks/extract_profile.py \
