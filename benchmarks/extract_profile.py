@@ -5,17 +5,21 @@ worker run in this process). Engine start-up is not profiled.
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/extract_profile.py --report OUT.txt -- \\
         MODEL PROMPTS -o DIR -l all -s last ...   (the arguments of `vllm-capture extract`)
 
-The report lists the top functions by cumulative and by own time. With gpu_session.sh's
-PACKAGE_AT the same loop of an earlier package is profiled on the same host.
+The report gives each batch's capture call in seconds (a first batch's one-time costs apart from
+a steady per-batch one), the stream's status after the last batch (host timers, graph copies),
+then the top functions by cumulative and by own time. With gpu_session.sh's PACKAGE_AT the same
+loop of an earlier package is profiled on the same host.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import json
 import pstats
+import time
 
-from vllm_capture import cli
+from vllm_capture import api, cli
 
 
 def main() -> None:
@@ -42,8 +46,31 @@ def main() -> None:
     cli.extract = profiling(cli.extract)
     if undecorated is not None:
         cli.extract.__wrapped__ = profiling(undecorated)
+
+    # A batch's capture: capture_streams, or capture() in packages older than it.
+    batch_call = "capture_streams" if hasattr(api, "capture_streams") else "capture"
+    unwrapped, batch_s, last_status = getattr(api, batch_call), [], {}
+
+    def timed(llm, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return unwrapped(llm, *a, **k)
+        finally:
+            batch_s.append(time.perf_counter() - t0)
+            try:
+                last_status["status"] = api.capture_status(llm)
+            except Exception as exc:  # a package whose status needs a running stream
+                last_status["status"] = repr(exc)
+
+    setattr(api, batch_call, timed)
     rc = cli.main(["extract", *extract_args])
     text = io.StringIO()
+    text.write(f"{batch_call} seconds a batch: {' '.join(f'{s:.3f}' for s in batch_s)}\n")
+    if batch_s:
+        rest = sorted(batch_s[1:] or batch_s)
+        text.write(f"first {batch_s[0]:.3f}, median of the rest {rest[len(rest) // 2]:.3f}\n")
+    text.write("status after the last batch: "
+               f"{json.dumps(last_status.get('status'), default=str)[:4000]}\n\n")
     for order in ("cumulative", "tottime"):
         pstats.Stats(profile, stream=text).sort_stats(order).print_stats(args.top)
     with open(args.report, "w") as f:
