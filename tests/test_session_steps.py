@@ -1515,6 +1515,19 @@ def test_stream_enabled_while_requests_run():
     check_rows(last_prompt, rows, {(a.rid, 5), (c.rid, 2)})
 
 
+def test_a_streams_selection_is_decoded_once_for_every_request_it_opens():
+    engine = Engine()
+    wire = SelectSpec(prompt_window=(1, None)).to_wire()
+    engine.session.enable_stream(AH, select=wire)
+    stream = engine.session._streams[AH]
+    assert stream.config.select == wire  # the wire form still goes to status and clients
+    a, b = Req(num=0, prompt=[1, 2, 3], gen=[2]), Req(num=1, prompt=[3, 4], gen=[1])
+    engine.step([(a, 3), (b, 2)])
+    selects = [track.select for track in stream.tracks.values()]
+    assert len(selects) == 2 and all(s is stream.config.select_spec for s in selects)
+    assert stream.config.select_spec == SelectSpec.from_wire(wire)
+
+
 @pytest.mark.parametrize("select, elided", [
     (None, True),
     (SelectSpec.last_prompt_token(), False),

@@ -97,8 +97,7 @@ class StreamConfig:
                 "row selection cannot combine with the 'last'/'mean' "
                 "reductions; use reduce='all' with a select clause"
             )
-        if select is not None:
-            select = _canonical_select(select)
+        spec = None if select is None else _select_spec(select)
         if layers is not None:
             if not isinstance(layers, (list, tuple, set, frozenset)) or not all(
                 _is_int(layer, 2 ** 31) for layer in layers
@@ -117,7 +116,9 @@ class StreamConfig:
         self.layers = set(map(int, layers)) if layers is not None else None
         self.dtype = resolve_storage_dtype(dtype) if dtype is not None else None
         self.reduce = reduce
-        self.select = select
+        self.select = None if spec is None else spec.to_wire()
+        # Decoded once: every request the stream opens shares it (22 us a decode).
+        self.select_spec = spec
         self.budget_rows = None if budget_rows is None else int(budget_rows)
 
     @property
@@ -142,15 +143,15 @@ class StreamConfig:
 STREAM_OPTIONS = frozenset(inspect.signature(StreamConfig).parameters)
 
 
-def _canonical_select(select: Any) -> dict:
+def _select_spec(select: Any) -> "SelectSpec":
     """Validate at enable time instead of failing mid-forward. A SelectSpec is taken as it is
     (an engine in the client's process hands the worker the caller's object)."""
     from vllm_capture.selection import SelectSpec
 
     if isinstance(select, SelectSpec):
-        return select.to_wire()
+        return select.interned()
     try:
-        return SelectSpec.from_wire(select).to_wire()
+        return SelectSpec.from_wire(select).interned()
     except (TypeError, ValueError) as exc:
         raise ValueError(f"select is not a valid SelectSpec wire dict: {exc}") from exc
 

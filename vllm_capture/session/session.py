@@ -706,8 +706,8 @@ class CaptureSession:
                               f"{st.config.reduce!r} on stream {st.component!r}")
                 elif wire is not None:
                     select = SelectSpec.from_wire(wire)
-                elif st.config.select is not None:
-                    select = SelectSpec.from_wire(st.config.select)
+                else:
+                    select = st.config.select_spec
             if reason is not None:
                 st.store.fail_request(req_id, reason)
                 st.closed.add(req_id)
