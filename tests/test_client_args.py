@@ -90,6 +90,27 @@ def test_one_integer_test_for_every_entry_point(value, expected):
         vc.SelectSpec(prompt_positions=[value])
 
 
+def test_prompts_without_their_own_selection_share_one_copy_of_the_parameters(monkeypatch):
+    from vllm import SamplingParams
+
+    monkeypatch.setattr(vc.api, "_run", lambda llm, checked: checked)
+    given = SamplingParams(max_tokens=3, temperature=0.0)
+    own = vc.SelectSpec(prompt="all")
+    checked = vc.capture(_EncodingEngine({"tp_rank": 0, "enabled": False}), list("abcd"),
+                         select=vc.SelectSpec.last_prompt_token(), sampling_params=given,
+                         per_prompt_selects=[None, own, None, own])
+    shared, first_own, _, second_own = checked.params
+    assert checked.params[2] is shared and shared is not given
+    assert first_own is not second_own and shared not in (first_own, second_own)
+    assert (shared.extra_args or {}).get("capture") is None
+    assert shared.skip_reading_prefix_cache is not True  # a last prompt row may read the cache
+    for p in (first_own, second_own):
+        assert p.extra_args["capture"] == {"hidden_states": own.to_wire()}
+        assert p.skip_reading_prefix_cache is True
+    assert given.extra_args is None and given.skip_reading_prefix_cache is not True
+    assert all(p.max_tokens == 3 for p in checked.params)
+
+
 def test_fetch_carries_numpy_layer_ids_and_tuples_of_request_ids():
     llm = _EncodingEngine({"tp_rank": 0, "tp_size": 1, "layers": {}})
     assert vc.fetch_captured(llm, vc.HIDDEN_STATES, layers=[np.int32(3)],

@@ -1,7 +1,7 @@
 """``group_rows``: fetched rows into prompt order, checked against a per-row brute force.
 
 The brute force matches every row label against every client id with ``match_capture_request_id``
-(the definition); ``group_rows`` decides each distinct label once.
+(the definition); ``group_rows`` decides each distinct label once, for all layers.
 """
 
 from __future__ import annotations
@@ -79,3 +79,22 @@ def test_layers_with_different_rows_raise():
             1: CaptureMeta(labels[:1] * 2, torch.tensor([0, 1]), torch.tensor([1, 2]))}
     with pytest.raises(RuntimeError, match="differ from the other layers"):
         group_rows({0: torch.zeros(2, 3), 1: torch.zeros(2, 3)}, meta, ["a", "b"])
+
+
+def test_each_distinct_label_is_decided_once_for_every_layer(monkeypatch):
+    import vllm_capture.api as api
+
+    rng = random.Random(7)
+    request_ids = [f"r{i}" for i in range(12)]
+    tensors, meta, rows = _fetched(rng, request_ids, layers=tuple(range(16)))
+    calls = []
+
+    def counted(label, client):
+        calls.append(label)
+        return match_capture_request_id(label, client)
+
+    monkeypatch.setattr(api, "match_capture_request_id", counted)
+    grouped, _, offsets = group_rows(tensors, meta, request_ids)
+    distinct = {r[0] for r in rows}
+    assert set(calls) == distinct and len(calls) <= 2 * len(distinct)  # not once a layer
+    assert sorted(grouped) == list(range(16)) and offsets[-1] == len(rows)

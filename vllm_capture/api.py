@@ -425,10 +425,11 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
     """
     grouped_t, grouped_m, offsets, reference = {}, {}, [0], None
     client_index = {client: i for i, client in enumerate(request_ids)}
+    decided: dict[str, int] = {}  # the layers' labels are the same ones
     ends = None if ends is None else np.asarray(ends, dtype=np.int64)
     for layer in sorted(tensors):
         m = meta[layer]
-        owner = _owners(m.req_ids, client_index, layer)
+        owner = _owners(m.req_ids, client_index, layer, decided)
         if (owner < 0).any():
             stale = sorted({m.req_ids[j] for j in np.flatnonzero(owner < 0)})[:5]
             raise RuntimeError(f"layer {layer}: rows of requests that are not part of this "
@@ -454,21 +455,24 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
     return grouped_t, grouped_m, offsets
 
 
-def _owners(labels: list[str], client_index: dict[str, int], layer: int) -> np.ndarray:
+def _owners(labels: list[str], client_index: dict[str, int], layer: int,
+            decided: dict[str, int]) -> np.ndarray:
     """Index in ``client_index`` of the request each row label belongs to (-1: none).
 
     A label matches the client id it equals and the one it extends by the engine's ``-{8 hex}``
     suffix (``match_capture_request_id``), so each distinct label is decided once, by two
-    lookups: rows are many, their distinct labels one per request.
+    lookups, and kept in ``decided`` for the other layers: rows are many, their distinct labels
+    one per request (16 layers of 256 requests: 4,096 decisions, 12 ms, before ``decided``).
     """
-    distinct = dict.fromkeys(labels)
-    for label in distinct:
+    for label in dict.fromkeys(labels):
+        if label in decided:
+            continue
         hits = [client_index[c] for c in (label, label[:-9]) if c in client_index
                 and match_capture_request_id(label, c)]
         if len(hits) > 1:
             raise RuntimeError(f"layer {layer}: rows match more than one request id")
-        distinct[label] = hits[0] if hits else -1
-    return np.fromiter(map(distinct.__getitem__, labels), dtype=np.int64, count=len(labels))
+        decided[label] = hits[0] if hits else -1
+    return np.fromiter(map(decided.__getitem__, labels), dtype=np.int64, count=len(labels))
 
 
 def _prompt_list(prompts) -> list:
@@ -585,19 +589,29 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
                          f"pass select= or per_prompt_selects= instead")
     params = []
     reachable: set[SelectSpec] = set()  # a batch's prompts mostly share their selection
+    token_limit = sampling_params.max_tokens
+    # Prompts without a selection of their own share one copy of the parameters, as vLLM's
+    # prompts share one SamplingParams given for all (it copies each request's): a copy a
+    # prompt took 18 us, 4.6 ms for a batch of 256.
+    shared = None
     for i, own in enumerate(per_prompt):
-        p = sampling_params.clone()
         effective = own if own is not None else spec
-        if effective is not None and p.max_tokens is not None and effective not in reachable:
-            empty = effective.selects_nothing_at(p.max_tokens)
+        if effective is not None and token_limit is not None and effective not in reachable:
+            empty = effective.selects_nothing_at(token_limit)
             if empty is not None:
                 where = "select" if own is None else f"per_prompt_selects[{i}]"
                 raise ValueError(f"{where}: {empty}; the selection would capture nothing")
             reachable.add(effective)
+        if own is None and shared is not None:
+            params.append(shared)
+            continue
+        p = sampling_params.clone()
         if own is not None:
             p.extra_args = {**(p.extra_args or {}), EXTRA_ARGS_KEY: {stream: own.to_wire()}}
         if needs_full_prompt(effective):
             p.skip_reading_prefix_cache = True
+        if own is None:
+            shared = p
         params.append(p)
     config: dict[str, Any] = {"layers": _rpc_value(layers), "dtype": dtype,
                               "select": spec.to_wire() if spec is not None else None,
@@ -618,7 +632,13 @@ def _run_streams(llm, checks: list[_Checked]) -> list[CaptureResult]:
     """One generate of the prompts (the same in every check) with each check's stream on: the
     streams' rows are of the same sequences."""
     first = checks[0]
-    params = [_joined_params(ps) for ps in zip(*(c.params for c in checks))]
+    # Joined once for each set of the streams' parameter objects, which most prompts share.
+    params, joined = [], {}
+    for ps in zip(*(c.params for c in checks)):
+        key = tuple(map(id, ps))  # the objects stay alive in ``checks``
+        if key not in joined:
+            joined[key] = _joined_params(ps)
+        params.append(joined[key])
     engine = getattr(llm, "llm_engine", None)
     # vLLM's generate() returns every request that finishes while it runs, these too (an
     # interrupted generate() leaves its requests queued; so does enqueue()): their outputs would
