@@ -76,7 +76,8 @@ class StreamConfig:
     """Per-stream capture configuration.
 
     Row selection uses the shared ``SelectSpec`` where-clause language
-    (``select``: a SelectSpec or its ``to_wire()`` dict, kept as the dict) —
+    (``select``: a SelectSpec or its ``to_wire()`` dict, kept as the dict in ``select`` and
+    decoded in ``select_spec``) —
     the same clause semantics steering resolves, so "which rows to capture"
     and "which tokens to steer" mean the same thing. ``reduce`` applies a within-sample reduction ("all" | "last" |
     "mean"); ``budget_rows`` caps the rows held per layer.
@@ -144,8 +145,9 @@ STREAM_OPTIONS = frozenset(inspect.signature(StreamConfig).parameters)
 
 
 def _select_spec(select: Any) -> "SelectSpec":
-    """Validate at enable time instead of failing mid-forward. A SelectSpec is taken as it is
-    (an engine in the client's process hands the worker the caller's object)."""
+    """Validate at enable time instead of failing mid-forward. A SelectSpec needs no decoding
+    (an engine in the client's process hands the worker the caller's object); either way the
+    result is the process's one instance of that clause (``SelectSpec.interned``)."""
     from vllm_capture.selection import SelectSpec
 
     if isinstance(select, SelectSpec):
