@@ -10,15 +10,19 @@ from vllm_capture.session.session import _parse_request_selects
 LAST = SelectSpec.last_prompt_token().to_wire()
 
 
+def _wires(selects: dict) -> dict:
+    return {stream: spec.to_wire() for stream, spec in selects.items()}
+
+
 @pytest.mark.parametrize("raw", [LAST, json.dumps(LAST)])
 def test_one_clause_applies_to_every_stream(raw):
-    assert _parse_request_selects(raw) == {"*": LAST}
+    assert _wires(_parse_request_selects(raw)) == {"*": LAST}
 
 
 @pytest.mark.parametrize("raw", [{"attention_heads": LAST},
                                  json.dumps({"attention_heads": LAST})])
 def test_per_stream_clauses(raw):
-    assert _parse_request_selects(raw) == {"attention_heads": LAST}
+    assert _wires(_parse_request_selects(raw)) == {"attention_heads": LAST}
 
 
 @pytest.mark.parametrize("raw, needle", [

@@ -1528,6 +1528,21 @@ def test_a_streams_selection_is_decoded_once_for_every_request_it_opens():
     assert stream.config.select_spec == SelectSpec.from_wire(wire)
 
 
+def test_a_requests_own_selection_is_decoded_once_when_it_arrives(monkeypatch):
+    engine = Engine()
+    engine.session.enable_stream(AH)
+    own = SelectSpec(prompt_positions=[0, -1]).to_wire()
+    a = Req(num=0, prompt=[1, 2, 3], gen=[2], capture=own)
+    decodes = []
+    from_wire = SelectSpec.from_wire.__func__
+    monkeypatch.setattr(SelectSpec, "from_wire",
+                        classmethod(lambda cls, data: decodes.append(data) or from_wire(cls, data)))
+    engine.step([(a, 3)])
+    assert decodes == [own]  # at its arrival, not again when the stream opens its track
+    track = engine.session._streams[AH].tracks[a.rid]
+    assert track.select == SelectSpec.from_wire(own)
+
+
 @pytest.mark.parametrize("select, elided", [
     (None, True),
     (SelectSpec.last_prompt_token(), False),

@@ -375,7 +375,7 @@ class SelectSpec:
         match = self.match_generation(steps, np.full(steps.shape, UNKNOWN_TOKEN))
         if not (match.keep | match.keep_unless_excluded | match.keep_if_included).any():
             return (f"selects generated rows only, but no decode step that max_tokens="
-                    f"{max_tokens} feeds (steps 0..{max_tokens - 2}) matches it")
+                    f"{max_tokens} feeds (steps 0..{last}) matches it")
         return None
 
     def match_prompt(self, positions, prompt_len, token_ids) -> RowMatch:

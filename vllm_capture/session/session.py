@@ -82,8 +82,8 @@ class RequestInfo:
     """What the worker learns about a request when it is first scheduled."""
 
     prompt_token_ids: tuple[int, ...]
-    # stream -> SelectSpec wire dict; "*" applies to every stream.
-    selects: dict[str, dict] = field(default_factory=dict)
+    # stream -> its SelectSpec (decoded once, interned); "*" applies to every stream.
+    selects: dict[str, SelectSpec] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:
@@ -700,13 +700,11 @@ class CaptureSession:
                           "be unique until their rows are fetched")
             select = None
             if reason is None:
-                wire = info.selects.get(st.component, info.selects.get("*"))
-                if wire is not None and st.config.reduce != "all":
+                select = info.selects.get(st.component, info.selects.get("*"))
+                if select is not None and st.config.reduce != "all":
                     reason = (f"a per-request selection cannot combine with reduce="
                               f"{st.config.reduce!r} on stream {st.component!r}")
-                elif wire is not None:
-                    select = SelectSpec.from_wire(wire)
-                else:
+                elif select is None:
                     select = st.config.select_spec
             if reason is not None:
                 st.store.fail_request(req_id, reason)
@@ -1055,9 +1053,10 @@ def selects_positions_in(track: RequestTrack, start: int, stop: int) -> bool:
     return len(plan.rows) > 0 or plan.dropped > 0
 
 
-def _parse_request_selects(raw) -> dict[str, dict]:
+def _parse_request_selects(raw) -> dict[str, SelectSpec]:
     """``extra_args["capture"]``: a SelectSpec wire dict, or {stream: wire dict}, or either as a
-    JSON string (the OpenAI-compatible server's ``vllm_xargs`` only carries scalars and lists)."""
+    JSON string (the OpenAI-compatible server's ``vllm_xargs`` only carries scalars and lists),
+    decoded once: the request's tracks take the specs as they are."""
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
@@ -1069,11 +1068,11 @@ def _parse_request_selects(raw) -> dict[str, dict]:
         per_stream = {}
         for stream, wire in raw.items():
             try:
-                per_stream[stream] = SelectSpec.from_wire(wire).to_wire()
+                per_stream[stream] = SelectSpec.from_wire(wire).interned()
             except ValueError as exc:
                 raise ValueError(f"{stream}: {exc}") from None
         return per_stream
-    return {"*": SelectSpec.from_wire(raw).to_wire()}
+    return {"*": SelectSpec.from_wire(raw).interned()}
 
 
 def _matches_any(req_id: str, client_ids) -> bool:
