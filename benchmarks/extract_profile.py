@@ -9,6 +9,11 @@ The report gives each batch's capture call in seconds (a first batch's one-time 
 a steady per-batch one), the stream's status after the last batch (host timers, graph copies),
 then the top functions by cumulative and by own time. With gpu_session.sh's PACKAGE_AT the same
 loop of an earlier package is profiled on the same host.
+
+``--trace-batch N`` also runs batch N (0-based) under torch.profiler and adds its ops and kernels
+by device time (by host time without a GPU): whether a batch's extra time is the device's work
+or the host's, which cProfile alone cannot tell (a host waiting on the device shows as the call
+that waits).
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", required=True, help="where to write the profile's tables")
     parser.add_argument("--top", type=int, default=45)
+    parser.add_argument("--trace-batch", type=int, default=None, metavar="N",
+                        help="also trace batch N (0-based) with torch.profiler")
     parser.add_argument("extract_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     extract_args = [a for a in args.extract_args if a != "--"]
@@ -51,9 +58,17 @@ def main() -> None:
     batch_call = "capture_streams" if hasattr(api, "capture_streams") else "capture"
     unwrapped, batch_s, last_status = getattr(api, batch_call), [], {}
 
+    traces = []
+
     def timed(llm, *a, **k):
+        tracing = len(batch_s) == args.trace_batch
         t0 = time.perf_counter()
         try:
+            if tracing:
+                with _device_trace() as trace:
+                    result = unwrapped(llm, *a, **k)
+                traces.append(trace)
+                return result
             return unwrapped(llm, *a, **k)
         finally:
             batch_s.append(time.perf_counter() - t0)
@@ -71,11 +86,36 @@ def main() -> None:
         text.write(f"first {batch_s[0]:.3f}, median of the rest {rest[len(rest) // 2]:.3f}\n")
     text.write("status after the last batch: "
                f"{json.dumps(last_status.get('status'), default=str)[:4000]}\n\n")
+    for trace in traces:
+        text.write(_trace_table(trace, args.trace_batch, args.top))
     for order in ("cumulative", "tottime"):
         pstats.Stats(profile, stream=text).sort_stats(order).print_stats(args.top)
     with open(args.report, "w") as f:
         f.write(text.getvalue())
     raise SystemExit(rc)
+
+
+def _device_trace():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities)
+
+
+def _trace_table(trace, batch: int, top: int) -> str:
+    """Batch ``batch``'s ops and kernels, by device time where a GPU ran them."""
+    import torch
+
+    on_device = torch.cuda.is_available()
+    events = trace.key_averages()
+    order = "self_device_time_total" if on_device else "self_cpu_time_total"
+    total = sum(getattr(e, order) for e in events) / 1e3
+    return (f"batch {batch} under torch.profiler: {total:.1f} ms of "
+            f"{'device' if on_device else 'host'} time (self, all ops)\n"
+            f"{events.table(sort_by=order, row_limit=top, max_name_column_width=70)}\n\n")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,8 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # 20-120 words, last prompt token of every layer, then every prompt row of 4 layers, then the
     # last token of both hidden states and attention heads. extract-last runs the first alone
     # (about 80 s): with PACKAGE_AT, a point of a comparison with an earlier package on one host.
-    # extract-profile runs it in one process under cProfile (benchmarks/extract_profile.py).
+    # extract-profile runs it in one process under cProfile (benchmarks/extract_profile.py), its
+    # ninth batch also under torch.profiler (device time by kernel).
     # EXTRACT_ARGS are added to every extract command (engine options: --max-num-seqs 256).
     python3 - <<'PY'
 import random, sys
@@ -193,7 +194,7 @@ PY
     L=extract_last${PACKAGE_AT:+_$PACKAGE_AT}; rm -rf /tmp/extract/last
     if [ "$SET" = extract-profile ]; then
       VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 280 python3 benchmarks/extract_profile.py \
-        --report "$OUT/${L/last/profile}.txt" -- ${X#python3 -m vllm_capture.cli extract} \
+        --trace-batch 8 --report "$OUT/${L/last/profile}.txt" -- ${X#python3 -m vllm_capture.cli extract} \
         -o /tmp/extract/last -l all -s last >"$OUT/${L/last/profile}.log" 2>&1
       echo "extract profile rc=$?"; grep -E "prompts/s" "$OUT/${L/last/profile}.log"; exit 0
     fi
