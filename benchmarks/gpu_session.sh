@@ -176,20 +176,7 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # extract-profile runs it in one process under cProfile (benchmarks/extract_profile.py), its
     # ninth batch also under torch.profiler (device time by kernel).
     # EXTRACT_ARGS are added to every extract command (engine options: --max-num-seqs 256).
-    python3 - <<'PY'
-import random, sys
-from pathlib import Path
-sys.path.insert(0, ".")
-from benchmarks import scenarios as S
-from benchmarks.run import prepare_model
-from vllm_capture.tiny_models import CORPUS
-CORPUS_WORDS = sorted({w for line in CORPUS for w in line.split()})
-folder = prepare_model(S.MODELS["1b"], Path("/tmp/extract"))
-rng = random.Random(0)
-lines = [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(20, 120))) for _ in range(4096)]
-Path("/tmp/extract/prompts.txt").write_text("\n".join(lines) + "\n")
-print(folder)
-PY
+    python3 benchmarks/extract_inputs.py --out /tmp/extract || exit 1
     X="python3 -m vllm_capture.cli extract /tmp/extract/models/1b /tmp/extract/prompts.txt --load-format dummy --dtype bfloat16 --max-model-len 512 --batch-size 256 --no-progress ${EXTRACT_ARGS:-}"
     L=extract_last${PACKAGE_AT:+_$PACKAGE_AT}; rm -rf /tmp/extract/last
     if [ "$SET" = extract-profile ]; then

@@ -97,6 +97,14 @@ MODELS: dict[str, ModelShape] = {m.key: m for m in (
                vocab=128256, startup_s=(80.0, 35.0),
                extra={"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
                       "tie_word_embeddings": True, "rope_scaling": {**_LLAMA_ROPE, "factor": 32.0}}),
+    # The 1B's rows (16 layers of width 2,048) from a forward the CPU VM runs in seconds: its MLP
+    # 128 wide. For host-path profiles there (extract_inputs.py, extract_profile.py): the fetch,
+    # the store and the client handle as many bytes a row as on the GPU.
+    ModelShape("1b-rows", "Llama-3.2-1B's rows, a 128-wide MLP (dummy weights)", "LlamaForCausalLM",
+               "llama", hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=128,
+               vocab=128256, startup_s=(80.0, 35.0),
+               extra={"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+                      "tie_word_embeddings": True, "rope_scaling": {**_LLAMA_ROPE, "factor": 32.0}}),
     ModelShape("moe", "Qwen3-30B-A3B shape (dummy weights)", "Qwen3MoeForCausalLM", "qwen3_moe",
                hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
                vocab=151936, experts=128, experts_per_tok=8, moe_intermediate=768,

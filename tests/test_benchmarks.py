@@ -39,6 +39,35 @@ def test_model_configs_have_the_real_shapes():
     json.dumps(moe)  # config.json must serialize
 
 
+def test_1b_rows_shape_is_the_1b_but_its_mlp():
+    """The CPU profiles' shape: the 1B's rows (what the fetch and the client handle), a cheap MLP."""
+    rows, one_b = S.MODELS["1b-rows"].config(), S.MODELS["1b"].config()
+    assert rows.pop("intermediate_size") == 128
+    one_b.pop("intermediate_size")
+    assert rows == one_b
+    for stream in (S.HIDDEN, S.HEADS):
+        assert S.MODELS["1b-rows"].width(stream) == S.MODELS["1b"].width(stream)
+
+
+def test_extract_inputs_prompts_are_fixed_and_in_range():
+    import argparse
+
+    from benchmarks.extract_inputs import prompt_lines, word_range
+    from vllm_capture.tiny_models import CORPUS
+
+    vocabulary = {w for line in CORPUS for w in line.split()}
+    lines = prompt_lines(200, (3, 8))
+    assert lines == prompt_lines(200, (3, 8))  # two packages' runs read the same text
+    assert lines != prompt_lines(200, (3, 8), seed=1)
+    counts = [len(line.split()) for line in lines]
+    assert min(counts) == 3 and max(counts) == 8
+    assert {w for line in lines for w in line.split()} <= vocabulary
+    assert word_range("20-120") == (20, 120) and word_range("7") == (7, 7)
+    for bad in ("9-3", "0-4", "a", "3-x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            word_range(bad)
+
+
 def test_widths_per_stream():
     m = S.MODELS["moe"]
     assert m.width(S.HIDDEN) == 2048 and m.width(S.HEADS) == 4096 and m.width(S.ROUTER) == 128
