@@ -209,6 +209,10 @@ def run_all(x, residual, ids, b, *, triton=True):
     if triton and K.HAVE_TRITON:
         impls["triton"] = lambda bb: K.launch_capture(x, residual, ids, *(bb[k] for k in BUFS),
                                                       use_triton=True)
+        # An eager launch: the grid covers the plan's count of entries only.
+        impls["triton_eager"] = lambda bb: K.launch_capture(
+            x, residual, ids, *(bb[k] for k in BUFS), use_triton=True,
+            entries=int(bb["plan_meta"][L.META_COUNT]))
     for name, fn in impls.items():
         bb = clone(b)
         fn(bb)
@@ -654,6 +658,49 @@ def test_counter_exactly_once_per_launch_many_programs():
     b["site"][L.SITE_ENABLED] = 0
     K.launch_capture(x, None, None, *(b[k] for k in BUFS), use_triton=True)
     assert int(b["site"][L.SITE_EXECUTIONS]) == launches + 1
+
+
+def test_eager_grid_covers_the_plan_entries_only():
+    """An eager launch's grid rows cover the step's plan count (at least one program, for the
+    counter), never more than the padded tokens or the plan's capacity allow."""
+    W = 130
+    assert K.capture_grid(16384, W, 16384) == (1024, 3)
+    assert K.capture_grid(16384, W, 16384, entries=256) == (16, 3)
+    assert K.capture_grid(16384, W, 16384, entries=257) == (17, 3)
+    assert K.capture_grid(16384, W, 16384, entries=0) == (1, 3)
+    assert K.capture_grid(16384, W, 16384, entries=-1) == (1, 3)
+    assert K.capture_grid(40, W, 16384, entries=256) == K.capture_grid(40, W, 16384)
+    assert K.capture_grid(16384, W, 100, entries=256) == K.capture_grid(16384, W, 100)
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", [L.MODE_ROWS, L.MODE_LAST, L.MODE_MEAN])
+def test_eager_grid_captures_what_the_full_grid_does(mode):
+    """Plans whose entries reach past the first program rows, launched with the grid the plan's
+    count gives and with the full one: the same buffers, bit for bit (the kernel reads the count
+    on the device either way), and the counter moves once per launch."""
+    g = torch.Generator().manual_seed(50 + mode)
+    T, W, cap, slots = 150, 70, 160, 40
+    b = make_bufs(g, cap=cap, W=W, ring_rows=2 * cap, ring_dtype=torch.bfloat16, acc_slots=slots)
+    if mode == L.MODE_ROWS:
+        n = 37
+        rows = torch.randperm(T, generator=g)[:n].to(torch.int32)
+        b["plan_meta"][:] = torch.tensor([mode, n, 5, 0])
+        b["plan"][:, :n] = torch.stack([rows, torch.arange(n, dtype=torch.int32) % 7,
+                                        rows + 1000, torch.zeros(n, dtype=torch.int32)])
+    else:
+        n = 33
+        set_segment_plan(g, b, T, mode, n, slots)
+    x = make_x(g, T, W, torch.bfloat16, "sliced")
+    res = make_x(g, T, W, torch.bfloat16, "contig")
+    ids = make_ids(g, T, torch.int64)
+    assert K.capture_grid(T, W, cap, entries=n)[0] < K.capture_grid(T, W, cap)[0]
+    out = run_all(x, res, ids, b)
+    assert_same(out, approx_acc=mode == L.MODE_MEAN)
+    for name in ("triton", "triton_eager"):
+        assert int(out[name]["site"][L.SITE_EXECUTIONS]) == int(b["site"][L.SITE_EXECUTIONS]) + 1
+    for k in BUFS:
+        assert torch.equal(bits(out["triton_eager"][k]), bits(out["triton"][k])), k
 
 
 def test_triton_is_installed_so_the_kernel_tests_run():

@@ -427,7 +427,8 @@ class CaptureGraphState:
             self.step_eager_launches += 1
             self.await_kernels()
         launch_capture(x, residual, self.input_ids, buf.meta, buf.plan, counter, site.ring,
-                       site.ring_labels, site.acc, site.acc_labels, site.acc_count)
+                       site.ring_labels, site.acc, site.acc_labels, site.acc_count,
+                       entries=None if capturing else buf.count)
         if capturing and self.nodes is not None:
             self.nodes.note_launch(counter.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream)
 

@@ -12,7 +12,9 @@ Why it looks the way it does (see ``docs/architecture.md`` and the vLLM integrat
 * **No host sync, no data-dependent launch parameters.** The grid depends only on ``x.shape[0]``
   (the padded token count, fixed per captured graph) and fixed capacities; the dynamic row or
   segment count is read on the device and surplus programs exit at once. ``.item()``-style reads
-  would raise during capture (vLLM captures with ``capture_error_mode="global"``).
+  would raise during capture (vLLM captures with ``capture_error_mode="global"``). An eager
+  launch runs once, for the step whose plan the host just wrote: its grid covers that plan's
+  entries only (``entries``).
 * **One launch per site.** Launch overhead is what a per-layer op costs at decode, so a single
   kernel dispatches on the mode read from ``plan_meta`` instead of one launch per mode.
 * **No recompiles.** Size and stride arguments are ``do_not_specialize`` (and the pointers of
@@ -88,7 +90,8 @@ if HAVE_TRITON:
         HAS_RES: tl.constexpr, UNIT_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
         BLOCK_T: tl.constexpr, SHORT: tl.constexpr,
     ):
-        """grid = (max(1, cdiv(min(T, cap), BLOCK_R)), max(1, cdiv(W, BLOCK_W))).
+        """grid = (max(1, cdiv(min(T, cap), BLOCK_R)), max(1, cdiv(W, BLOCK_W))); eager launches
+        may bound min(T, cap) by the step's plan count as well (:func:`capture_grid`).
 
         Program (0, 0) bumps the execution counter; every program then reads ``enabled``, the
         step's ``plan_meta`` and its own plan entries, and leaves unless there is work for its
@@ -163,10 +166,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def capture_grid(T: int, W: int, cap: int) -> tuple[int, int]:
+def capture_grid(T: int, W: int, cap: int, entries: int | None = None) -> tuple[int, int]:
     """Launch grid: a function of the padded token count and fixed capacities only (never 0, so
-    the execution counter is bumped even for ``T == 0``)."""
-    return (max(1, _cdiv(min(T, cap), BLOCK_R)), max(1, _cdiv(W, BLOCK_W)))
+    the execution counter is bumped even for ``T == 0``), or, for an eager launch, of the plan
+    entries the host uploaded for the step (``entries``): a program past them would only read
+    the plan and exit, and an eager prefill of 16,384 tokens would launch 1,024 rows of programs
+    for its few hundred requests' last rows."""
+    rows = min(T, cap) if entries is None else min(T, cap, max(entries, 0))
+    return (max(1, _cdiv(rows, BLOCK_R)), max(1, _cdiv(W, BLOCK_W)))
 
 
 def _check(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count):
@@ -287,6 +294,7 @@ def launch_capture(
     acc_count: torch.Tensor,
     *,
     use_triton: bool | None = None,
+    entries: int | None = None,
 ) -> None:
     """Capture one site for one step: exactly one kernel launch (or the torch reference).
 
@@ -295,9 +303,15 @@ def launch_capture(
     before this package is imported); ``False`` forces the reference. ``residual`` and
     ``input_ids`` may be ``None`` (token labels are then ``NO_TOKEN``). A site that serves only
     row streams may pass ``acc`` buffers with 0 slots, and vice versa a ring with 0 rows.
+    ``entries``: at an eager launch, the count of the plan in ``plan_meta`` (what the host wrote
+    there); the grid then covers that many entries only. Never while a CUDA graph is captured,
+    whose replays read other steps' plans.
     """
     _check(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels,
            acc_count)
+    if entries is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError("launch_capture: entries sizes an eager launch's grid; a captured graph "
+                         "replays other steps' plans")
     if use_triton is None:
         use_triton = HAVE_TRITON and x.is_cuda
     if not use_triton:
@@ -307,11 +321,12 @@ def launch_capture(
     if not HAVE_TRITON:
         raise RuntimeError("launch_capture(use_triton=True) needs Triton")
     launch_kernel(*kernel_arguments(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels,
-                                    acc, acc_labels, acc_count))
+                                    acc, acc_labels, acc_count, entries))
 
 
 def kernel_arguments(x, residual, input_ids, plan_meta, plan, site, ring, ring_labels, acc,
-                     acc_labels, acc_count) -> tuple[tuple[int, int], tuple, dict]:
+                     acc_labels, acc_count, entries: int | None = None
+                     ) -> tuple[tuple[int, int], tuple, dict]:
     """``capture_site_kernel``'s grid, run-time arguments and compile-time ones for
     :func:`launch_capture`'s arguments (checked)."""
     T, W = x.shape
@@ -328,7 +343,7 @@ def kernel_arguments(x, residual, input_ids, plan_meta, plan, site, ring, ring_l
     args = (x, res, ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count,
             T, W, cap, ring_rows, n_acc, n_ids, SPEC_ROWS,
             x.stride(0), x.stride(1), stride_rt, stride_rw, stride_ids)
-    return capture_grid(T, W, cap), args, dict(HAS_RES=has_res, UNIT_W=unit_w, **_tile())
+    return capture_grid(T, W, cap, entries), args, dict(HAS_RES=has_res, UNIT_W=unit_w, **_tile())
 
 
 #: The kernel's compile-time parameters, in its signature's order (after the 23 run-time ones).
