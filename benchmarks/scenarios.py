@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 HIDDEN, HEADS, ROUTER = "hidden_states", "attention_heads", "router_logits"
 # Bytes of one row's labels (req_idx, position, token id as int32) in the device ring.
@@ -86,25 +86,25 @@ class ModelShape:
 _LLAMA_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
+_LLAMA_1B = ModelShape(
+    "1b", "Llama-3.2-1B (dummy weights)", "LlamaForCausalLM", "llama",
+    hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
+    vocab=128256, startup_s=(80.0, 35.0),
+    extra={"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+           "tie_word_embeddings": True, "rope_scaling": {**_LLAMA_ROPE, "factor": 32.0}})
+
 MODELS: dict[str, ModelShape] = {m.key: m for m in (
     ModelShape("8b", "Llama-3.1-8B (dummy weights)", "LlamaForCausalLM", "llama",
                hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
                vocab=128256, startup_s=(100.0, 45.0),
                extra={"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
                       "rope_scaling": {**_LLAMA_ROPE, "factor": 8.0}}),
-    ModelShape("1b", "Llama-3.2-1B (dummy weights)", "LlamaForCausalLM", "llama",
-               hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192,
-               vocab=128256, startup_s=(80.0, 35.0),
-               extra={"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-                      "tie_word_embeddings": True, "rope_scaling": {**_LLAMA_ROPE, "factor": 32.0}}),
+    _LLAMA_1B,
     # The 1B's rows (16 layers of width 2,048) from a forward the CPU VM runs in seconds: its MLP
     # 128 wide. For host-path profiles there (extract_inputs.py, extract_profile.py): the fetch,
     # the store and the client handle as many bytes a row as on the GPU.
-    ModelShape("1b-rows", "Llama-3.2-1B's rows, a 128-wide MLP (dummy weights)", "LlamaForCausalLM",
-               "llama", hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=128,
-               vocab=128256, startup_s=(80.0, 35.0),
-               extra={"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-                      "tie_word_embeddings": True, "rope_scaling": {**_LLAMA_ROPE, "factor": 32.0}}),
+    replace(_LLAMA_1B, key="1b-rows", label="Llama-3.2-1B's rows, a 128-wide MLP (dummy weights)",
+            intermediate=128),
     ModelShape("moe", "Qwen3-30B-A3B shape (dummy weights)", "Qwen3MoeForCausalLM", "qwen3_moe",
                hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
                vocab=151936, experts=128, experts_per_tok=8, moe_intermediate=768,
@@ -501,8 +501,6 @@ def select(suite: Suite, engines: str | None = None, workloads: str | None = Non
            scenarios: str | None = None) -> Suite:
     """The suite restricted to comma-listed engines, workload names and/or scenario names (None:
     unchanged)."""
-    from dataclasses import replace
-
     if scenarios:
         keep = [s.strip() for s in scenarios.split(",") if s.strip()]
         known = (*suite.scenarios, CONTROL)  # every suite runs the control when it is named
