@@ -76,8 +76,8 @@ class StreamConfig:
     """Per-stream capture configuration.
 
     Row selection uses the shared ``SelectSpec`` where-clause language
-    (``select``: a SelectSpec or its ``to_wire()`` dict, kept as the dict in ``select`` and
-    decoded in ``select_spec``) —
+    (``select``: a SelectSpec or its ``to_wire()`` dict, kept decoded in ``select_spec``;
+    ``select`` reads back its wire dict) —
     the same clause semantics steering resolves, so "which rows to capture"
     and "which tokens to steer" mean the same thing. ``reduce`` applies a within-sample reduction ("all" | "last" |
     "mean"); ``budget_rows`` caps the rows held per layer.
@@ -117,15 +117,19 @@ class StreamConfig:
         self.layers = set(map(int, layers)) if layers is not None else None
         self.dtype = resolve_storage_dtype(dtype) if dtype is not None else None
         self.reduce = reduce
-        self.select = None if spec is None else spec.to_wire()
         # Decoded once: every request the stream opens shares it (22 us a decode).
         self.select_spec = spec
         self.budget_rows = None if budget_rows is None else int(budget_rows)
 
     @property
+    def select(self) -> dict | None:
+        """The selection's wire dict (status replies, ``to_dict``), from ``select_spec``."""
+        return None if self.select_spec is None else self.select_spec.to_wire()
+
+    @property
     def selects_rows(self) -> bool:
         """Whether a source-side row selection (not a reduction) is set."""
-        return self.select is not None
+        return self.select_spec is not None
 
     def to_dict(self) -> dict[str, Any]:
         """Msgpack-safe summary that is also valid ``StreamConfig`` kwargs: a client can
@@ -161,7 +165,7 @@ def _select_spec(select: Any) -> "SelectSpec":
 def warn_if_unbounded(config: StreamConfig) -> None:
     """Where a stream is enabled (the worker; a client checking a config does not warn)."""
     global _warned_unbounded
-    if _warned_unbounded or not (config.reduce == "all" and config.select is None
+    if _warned_unbounded or not (config.reduce == "all" and config.select_spec is None
                                  and config.budget_rows is None):
         return
     _warned_unbounded = True
