@@ -82,8 +82,10 @@ def test_one_integer_test_for_every_entry_point(value, expected):
     # The checks that use it refuse the same values (a count, a layer, a prompt position).
     if expected:
         return
+    from vllm_capture.checks import as_count
+
     with pytest.raises(ValueError, match="batch_size"):
-        vc.api._count("batch_size", value)
+        as_count("batch_size", value)
     with pytest.raises(ValueError, match="layers"):
         StreamConfig(layers=[value])
     with pytest.raises(ValueError, match="prompt_positions"):

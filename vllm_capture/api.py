@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 import numpy as np
 import torch
 
-from vllm_capture.checks import is_int
+from vllm_capture.checks import as_count
 from vllm_capture.engine.config import CONFIG_KEY, WORKER_EXTENSION, engine_kwargs
 from vllm_capture.selection import SelectSpec
 from vllm_capture.server import Server
@@ -278,13 +278,6 @@ def needs_full_prompt(spec: SelectSpec | None) -> bool:
     if wire["prompt"] == "all" or wire["prompt_tokens"] or wire["prompt_window"]:
         return True
     return any(p != -1 for p in (wire["prompt_positions"] or ()))
-
-
-def _count(name: str, value) -> int:
-    """``value`` as an int >= 1 (numpy's too), or ValueError naming ``name``."""
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    return int(value)
 
 
 def _as_index(value, name: str) -> int:
@@ -570,7 +563,7 @@ def _check(llm, prompts, stream, max_tokens, layers, dtype, select, per_prompt_s
         per_prompt = [None] * len(prompts)
     caller_params = sampling_params is not None
     if max_tokens is not None:
-        max_tokens = _count("max_tokens", max_tokens)  # vLLM takes a float or bool as given
+        max_tokens = as_count("max_tokens", max_tokens)  # vLLM takes a float or bool as given
     if sampling_params is None:
         sampling_kwargs.setdefault("temperature", 0.0)
         sampling_params = SamplingParams(max_tokens=1 if max_tokens is None else max_tokens,
@@ -787,7 +780,7 @@ def capture_batches(llm, prompts: Sequence, *, batch_size: int = 32,
 
     ``kwargs`` are ``capture()``'s. Every argument is checked here, before the first batch runs
     (the layers the model has when the first batch starts the stream, before it generates)."""
-    batch_size = _count("batch_size", batch_size)
+    batch_size = as_count("batch_size", batch_size)
     return _batches(llm, _check_call(llm, prompts, **kwargs), batch_size)
 
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, get_args
 
-from vllm_capture.checks import is_int
+from vllm_capture.checks import as_count, is_int
 from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFEST, PROMPT_LENGTH,
                                   PROMPTS_FILE, SHARD_PREFIX, DatasetError, dtype_name,
                                   label_name, load_dataset, prompts_sha256, sha256_file,
@@ -321,12 +321,6 @@ def check_selects_something(spec, max_tokens: int, where: str) -> None:
     reason = spec.selects_nothing_at(max_tokens)
     if reason is not None:
         raise UsageError(f"{where}: {reason}; the selection would capture nothing")
-
-
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if not is_int(value) or value < minimum:
-        raise UsageError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def resolve_storage_dtype_name(value: str | None) -> str | None:
@@ -711,16 +705,16 @@ def plan_run(prompts: Sequence, *, components=(HIDDEN_STATES,), layers=None, sel
     prompts = _as_prompts(prompts)
     components = parse_components(components)
     requested_layers = parse_layers(layers)
-    max_tokens = _positive_int("--max-tokens", max_tokens)
-    batch_size = _positive_int("--batch-size", batch_size)
-    shard_rows = _positive_int("--shard-rows", shard_rows)
+    max_tokens = as_count("--max-tokens", max_tokens, UsageError)
+    batch_size = as_count("--batch-size", batch_size, UsageError)
+    shard_rows = as_count("--shard-rows", shard_rows, UsageError)
     if isinstance(shard_mb, bool) or not isinstance(shard_mb, (int, float)) or not shard_mb > 0:
         raise UsageError(f"--shard-mb: expected a number > 0, got {shard_mb!r}")
     engine_options = {k: v for k, v in dict(engine_options or {}).items() if v is not None}
     for name in ("tensor_parallel_size", "max_model_len", "max_num_batched_tokens",
                  "max_num_seqs", "capture_buffer_bytes"):
         if name in engine_options:
-            _positive_int("--" + name.replace("_", "-"), engine_options[name])
+            as_count("--" + name.replace("_", "-"), engine_options[name], UsageError)
     util = engine_options.get("gpu_memory_utilization")
     if util is not None and not 0 < util <= 1:
         raise UsageError(f"--gpu-memory-utilization: expected a fraction in (0, 1], got {util!r}")
