@@ -744,6 +744,8 @@ def test_capacity_example_with_stream_status():
     ref = RefStream(HS, 8)
     engine.refs = [ref]
     engine.session.enable_stream(HS)
+    gc.collect()  # as vLLM's start-up does, for seconds on a GPU: before any step, not counted
+    assert engine.session.stream_status(HS)["host_timers"]["gc_ms"] == 0
     reqs = [Req(num=i, prompt=[1, 2, 3, 4], gen=[]) for i in range(3)]
     engine.step([(r, 4) for r in reqs], pad=2)
     status = engine.session.stream_status(HS)

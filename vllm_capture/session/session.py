@@ -59,7 +59,8 @@ HARVEST_IDLE_S = 0.02
 
 class _GCTimer:
     """Seconds this process spent in Python's garbage collector (every thread waits for it), for
-    ``host_timers["gc_ms"]``: a collection of a large heap is a pause no stage timer explains."""
+    ``host_timers["gc_ms"]`` (from the first real step): a collection of a large heap is a pause
+    no stage timer explains."""
 
     def __init__(self):
         self.seconds = 0.0
@@ -229,7 +230,9 @@ class CaptureSession:
                         "fetch_finalize": 0.0, "fetch_drain": 0.0, "fetch_wait": 0.0,
                         "fetch_store": 0.0, "fetch_serialize": 0.0, "fetch_write": 0.0,
                         **{f"fetch_write_{part}": 0.0 for part in WRITE_PARTS}}
-        self._gc_baseline = _gc_timer.seconds
+        # From the first real step: vLLM's start-up (compiling, graph capture) collects for
+        # seconds, which no step paid.
+        self._gc_baseline: float | None = None
         self._host_steps = 0
         self._repeat_steps = 0
         # What capture added to the engine's start, by part (the worker fills it in at load;
@@ -412,7 +415,8 @@ class CaptureSession:
                             "plan_uploads": 0 if gs is None else gs.plan_uploads,
                             "plan_steps": 0 if gs is None else gs.plan_steps,
                             **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()},
-                            "gc_ms": round((_gc_timer.seconds - self._gc_baseline) * 1e3, 3)},
+                            "gc_ms": 0.0 if self._gc_baseline is None else
+                            round((_gc_timer.seconds - self._gc_baseline) * 1e3, 3)},
         }
         st = self._streams[stream]
         hooked = len(self.hooked_layers(stream))
@@ -551,6 +555,7 @@ class CaptureSession:
             site = self._reference_site()
             self._step_executions_baseline = (
                 0 if site is None else int(site.counter[L.SITE_EXECUTIONS].item()) - site.eager_executions)
+            self._gc_baseline = _gc_timer.seconds
         geometry = None  # built (and checked) only for a step that is planned
         for st in self._active_streams:
             repeat = st.repeat
