@@ -58,8 +58,27 @@ def test_rows_group_by_prompt_then_position_like_the_brute_force(seed, with_ends
         assert torch.equal(grouped[layer], tensors[layer][order])
         assert grouped_meta[layer].req_ids == [rows[j][0] for j in order]
         assert grouped_meta[layer].positions.tolist() == [rows[j][1] for j in order]
+        assert grouped_meta[layer].token_ids.tolist() == [rows[j][2] for j in order]
     counts = np.bincount(owner, minlength=len(request_ids))
     assert offsets == [0, *np.cumsum(counts).tolist()]
+
+
+def test_rows_in_prompt_order_come_back_uncopied_unless_ends_cut_some():
+    """An extract's rows arrive in prompt order: its batch is not copied a second time."""
+    labels = ["a-0123abcd", "a-0123abcd", "b"]
+    meta = {layer: CaptureMeta(labels, torch.tensor([0, 1, 0]), torch.tensor([5, 6, 7]))
+            for layer in (0, 2)}
+    tensors = {layer: torch.randn(3, 4) for layer in (0, 2)}
+    grouped, grouped_meta, offsets = group_rows(tensors, meta, ["a", "b"], [2, 1])
+    for layer in tensors:
+        assert grouped[layer] is tensors[layer] and grouped_meta[layer] is meta[layer]
+    assert offsets == [0, 2, 3]
+    grouped, grouped_meta, offsets = group_rows(tensors, meta, ["a", "b"], [1, 1])
+    for layer in tensors:
+        assert torch.equal(grouped[layer], tensors[layer][[0, 2]])
+        assert grouped[layer].data_ptr() != tensors[layer].data_ptr()
+        assert grouped_meta[layer].token_ids.tolist() == [5, 7]
+    assert offsets == [0, 1, 2]
 
 
 def test_rows_of_no_prompt_and_rows_of_two_prompts_raise():

@@ -410,7 +410,8 @@ class CaptureResult:
 def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
                request_ids: list[str], ends: list[int] | None = None,
                ) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta], list[int]]:
-    """Reorder every layer's rows into prompt order (rows of a prompt by position).
+    """Reorder every layer's rows into prompt order (rows of a prompt by position): a copy, or
+    the layer's tensor itself where its rows are in that order already.
 
     ``ends[i]``: prompt ``i``'s rows at that position or later are left out (see ``capture``).
     Raises on rows that belong to no prompt (stale labels), rows claimed twice, and layers whose
@@ -439,10 +440,15 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
             offsets = [0] + np.cumsum(counts).tolist()
         elif labels != reference:
             raise RuntimeError(f"layer {layer}: row labels differ from the other layers'")
+        if order.size == len(m) and (order == np.arange(order.size)).all():
+            # In prompt order already (an extract's rows are): no copy of a batch's rows.
+            grouped_t[layer], grouped_m[layer] = tensors[layer], m
+            continue
         idx = torch.from_numpy(order)
-        grouped_t[layer] = tensors[layer][idx]
+        grouped_t[layer] = tensors[layer].index_select(0, idx)
         grouped_m[layer] = CaptureMeta([m.req_ids[j] for j in order.tolist()],
-                                       m.positions[idx], m.token_ids[idx])
+                                       m.positions.index_select(0, idx),
+                                       m.token_ids.index_select(0, idx))
     if reference is None:
         offsets = [0] * (len(request_ids) + 1)
     return grouped_t, grouped_m, offsets
