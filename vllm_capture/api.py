@@ -410,8 +410,7 @@ class CaptureResult:
 def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
                request_ids: list[str], ends: list[int] | None = None,
                ) -> tuple[dict[int, torch.Tensor], dict[int, CaptureMeta], list[int]]:
-    """Reorder every layer's rows into prompt order (rows of a prompt by position): a copy, or
-    the layer's tensor itself where its rows are in that order already.
+    """Reorder every layer's rows into prompt order (rows of a prompt by position).
 
     ``ends[i]``: prompt ``i``'s rows at that position or later are left out (see ``capture``).
     Raises on rows that belong to no prompt (stale labels), rows claimed twice, and layers whose
@@ -440,15 +439,13 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
             offsets = [0] + np.cumsum(counts).tolist()
         elif labels != reference:
             raise RuntimeError(f"layer {layer}: row labels differ from the other layers'")
-        if order.size == len(m) and (order == np.arange(order.size)).all():
-            # In prompt order already (an extract's rows are): no copy of a batch's rows.
-            grouped_t[layer], grouped_m[layer] = tensors[layer], m
-            continue
+        # Always a copy, in prompt order already or not: a view would keep the fetch's
+        # /dev/shm file from the pool for as long as a caller holds the rows (an extract buffers
+        # a shard's batches).
         idx = torch.from_numpy(order)
-        grouped_t[layer] = tensors[layer].index_select(0, idx)
+        grouped_t[layer] = tensors[layer][idx]
         grouped_m[layer] = CaptureMeta([m.req_ids[j] for j in order.tolist()],
-                                       m.positions.index_select(0, idx),
-                                       m.token_ids.index_select(0, idx))
+                                       m.positions[idx], m.token_ids[idx])
     if reference is None:
         offsets = [0] * (len(request_ids) + 1)
     return grouped_t, grouped_m, offsets
