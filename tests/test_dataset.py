@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import zlib
 from types import SimpleNamespace
 
@@ -561,6 +562,60 @@ def test_crash_while_writing_a_shard_leaves_no_complete_looking_shard(tmp_path, 
     ds = load_dataset(out, verify=True)
     assert ds.complete and ds.shards[-1]["prompt_end"] == len(PROMPTS)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def _write_waiting_for(event: threading.Event, seen: list):
+    """``_write_shard`` that first waits (5 s at most) for ``event``; ``seen`` gets whether it
+    came, per shard."""
+    real = cli._write_shard
+
+    def write(*args, **kwargs):
+        seen.append(event.wait(timeout=5))
+        return real(*args, **kwargs)
+    return write
+
+
+def test_a_shard_is_written_while_the_next_batch_runs(tmp_path, monkeypatch):
+    next_batch, seen = threading.Event(), []
+    monkeypatch.setattr(cli, "_write_shard", _write_waiting_for(next_batch, seen))
+
+    def capture(llm, prompts, **kwargs):
+        if len(llm.calls) >= 2:  # past the first batch (a call a component: two)
+            next_batch.set()
+        return fake_capture(llm, prompts, **kwargs)
+
+    monkeypatch.setattr(api, "capture", capture)
+    out = tmp_path / "ds"
+    run(out, batch_size=2, shard_rows=1)  # every batch ends a shard
+    assert seen[0] is True  # a write in line would have waited out the 5 s
+    ds = load_dataset(out, verify=True)
+    assert ds.complete and len(ds.shards) == len(PROMPTS) // 2 == len(seen)
+
+
+def test_an_error_in_a_batch_keeps_the_shard_being_written(tmp_path, monkeypatch):
+    failed, seen = threading.Event(), []
+    monkeypatch.setattr(cli, "_write_shard", _write_waiting_for(failed, seen))
+
+    def capture(llm, prompts, **kwargs):
+        if len(llm.calls) == 2:  # the second batch's first component: shard 0 is being written
+            failed.set()
+            raise Interrupt("the engine died")
+        return fake_capture(llm, prompts, **kwargs)
+
+    monkeypatch.setattr(api, "capture", capture)
+    out = tmp_path / "ds"
+    with pytest.raises(Interrupt, match="the engine died"):
+        run(out, batch_size=2, shard_rows=1)
+    assert seen == [True]
+    ds = load_dataset(out, verify=True)
+    assert [s["prompt_end"] for s in ds.shards] == [2] and not ds.complete
+    monkeypatch.setattr(api, "capture", fake_capture)
+    assert run(out, batch_size=2, shard_rows=1)["resumed_at"] == 2
+    full = tmp_path / "full"
+    run(full, batch_size=2, shard_rows=1)
+    a, b = load_dataset(full), load_dataset(out, verify=True)
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(a.rows("hidden_states", layer), b.rows("hidden_states", layer))
 
 
 def test_shard_limits_bound_buffered_rows(tmp_path):
