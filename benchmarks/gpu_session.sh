@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -168,7 +168,7 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     echo "slow-state rc=$?"
     grep -E "^ ?[0-9]+ " "$OUT/slow_state.log" | tail -40
     ;;
-  extract|extract-last|extract-profile)
+  extract|extract-last|extract-profile|extract-write)
     # The main job's throughput (issue 6): Llama-3.2-1B shape (dummy weights), 4,096 prompts of
     # 20-120 words, last prompt token of every layer, then every prompt row of 4 layers, then the
     # last token of both hidden states and attention heads. extract-last runs the first alone
@@ -184,6 +184,17 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
         --trace-batch 8 --report "$OUT/${L/last/profile}.txt" -- ${X#python3 -m vllm_capture.cli extract} \
         -o /tmp/extract/last -l all -s last >"$OUT/${L/last/profile}.log" 2>&1
       echo "extract profile rc=$?"; grep -E "prompts/s" "$OUT/${L/last/profile}.log"; exit 0
+    fi
+    if [ "$SET" = extract-write ]; then
+      # What writing shards costs: the last token in 64 MiB shards (four, the first three
+      # written while later batches run since 0dc6665), then every prompt row of 4 layers
+      # (4.4 GiB, 18 shards). With PACKAGE_AT=0622019: the package that wrote them in line.
+      timeout 280 $X --shard-mb 64 -o /tmp/extract/last -l all -s last >"$OUT/$L.log" 2>&1
+      echo "extract last rc=$? $(grep -oE "in [0-9.]+ s \([0-9.]+ prompts/s" "$OUT/$L.log")"
+      rm -rf /tmp/extract/all4
+      timeout 280 $X -o /tmp/extract/all4 -l 0,5,10,15 -s all >"$OUT/${L/last/all4}.log" 2>&1
+      echo "extract all4 rc=$? $(grep -oE "in [0-9.]+ s \([0-9.]+ prompts/s" "$OUT/${L/last/all4}.log")"
+      exit 0
     fi
     timeout 280 $X -o /tmp/extract/last -l all -s last >"$OUT/$L.log" 2>&1; echo "extract last rc=$?"; grep -E "prompts/s" "$OUT/$L.log"
     [ "$SET" = extract-last ] && { echo "== done"; exit 0; }
