@@ -188,7 +188,7 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     if [ "$SET" = extract-write ]; then
       # What writing shards costs: the last token in 64 MiB shards (four, the first three
       # written while later batches run since 0dc6665), then every prompt row of 4 layers
-      # (4.4 GiB, 18 shards). With PACKAGE_AT=0622019: the package that wrote them in line.
+      # (4.4 GiB, 16 shards). With PACKAGE_AT=0622019: the package that wrote them in line.
       timeout 280 $X --shard-mb 64 -o /tmp/extract/last -l all -s last >"$OUT/$L.log" 2>&1
       echo "extract last rc=$? $(grep -oE "in [0-9.]+ s \([0-9.]+ prompts/s" "$OUT/$L.log")"
       rm -rf /tmp/extract/all4
