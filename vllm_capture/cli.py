@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import hashlib
 import json
 import math
@@ -805,15 +804,6 @@ def _sole_writer(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _holding_out_dir(run: Callable) -> Callable:
-    @functools.wraps(run)
-    def holding(llm, prompts, out_dir, *args, **kwargs):
-        with _sole_writer(Path(out_dir)):
-            return run(llm, prompts, out_dir, *args, **kwargs)
-    return holding
-
-
-@_holding_out_dir
 def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
             components: Sequence[str] | str = (HIDDEN_STATES,), layers=None,
             select: Any = "last", max_tokens: int = 1, storage_dtype: str | None = None,
@@ -830,11 +820,19 @@ def extract(llm, prompts: Sequence, out_dir: str | os.PathLike, *, model: str,
     another run is writing into; DatasetError for a batch in another dtype than the one the
     dataset records for its component.
     """
-    from vllm_capture.api import capture_streams
-
     plan = plan_run(prompts, components=components, layers=layers, select=select,
                     max_tokens=max_tokens, storage_dtype=storage_dtype, batch_size=batch_size,
                     shard_rows=shard_rows, shard_mb=shard_mb, engine_options=engine_options)
+    with _sole_writer(Path(out_dir)):
+        return _extract_planned(llm, plan, out_dir, model=model, progress=progress,
+                                on_shard=on_shard)
+
+
+def _extract_planned(llm, plan: RunPlan, out_dir: str | os.PathLike, *, model: str,
+                     progress: bool, on_shard: Callable[[dict], None] | None) -> dict:
+    """``extract`` of a checked plan, into a folder the caller holds (``_sole_writer``)."""
+    from vllm_capture.api import capture_streams
+
     prompts, components, requested_layers = plan.prompts, plan.components, plan.layers
     mode, spec, max_tokens, storage = plan.mode, plan.spec, plan.max_tokens, plan.storage_dtype
     batch_size, shard_rows, shard_mb = plan.batch_size, plan.shard_rows, plan.shard_mb
@@ -1246,12 +1244,7 @@ def _run_extract(model: str, prompts: Sequence, out: str, *, llm_factory: Callab
         except ValueError as exc:  # vLLM's checks of its engine arguments (pydantic's too)
             raise UsageError(f"the engine refused its arguments: {' '.join(str(exc).split())}"
                              ) from None
-        return extract.__wrapped__(  # extract without taking the folder again: held here
-            llm, plan.prompts, out, model=model, components=plan.components,
-            layers=plan.layers, select=plan.spec if plan.mode == "spec" else plan.mode,
-            max_tokens=plan.max_tokens, storage_dtype=plan.storage_dtype,
-            batch_size=plan.batch_size, shard_rows=plan.shard_rows, shard_mb=plan.shard_mb,
-            engine_options=plan.engine_options, progress=progress)
+        return _extract_planned(llm, plan, out, model=model, progress=progress, on_shard=None)
 
 
 def _report(summary: dict) -> None:
