@@ -7,8 +7,10 @@ import numbers
 
 def is_int(value) -> bool:
     """An integer, numpy's included; not a bool, which is an int subclass: True as a count,
-    layer, position or token id is always a caller's bug."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    layer, position or token id is always a caller's bug. A plain int is asked first: the ABC
+    check takes about 1 us, for each of a selection's token ids."""
+    return type(value) is int or (isinstance(value, numbers.Integral)
+                                  and not isinstance(value, bool))
 
 
 def as_count(name: str, value, error: type[Exception] = ValueError) -> int:
