@@ -40,3 +40,59 @@ def test_per_stream_clauses(raw):
 def test_bad_request_selects_name_the_problem(raw, needle):
     with pytest.raises(ValueError, match=needle):
         _parse_request_selects(raw)
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """The payloads decoded from here on (none remembered from before)."""
+    from vllm_capture.session import session
+
+    seen = []
+    real = session._decode_request_selects
+
+    def decode(raw):
+        seen.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(session, "_DECODED_SELECTS", {})
+    monkeypatch.setattr(session, "_decode_request_selects", decode)
+    return seen
+
+
+def test_requests_that_carry_one_clause_decode_it_once(decodes):
+    reordered = dict(reversed(LAST.items()))
+    first = _parse_request_selects(LAST)
+    assert _parse_request_selects(reordered) is first
+    assert _parse_request_selects({k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in LAST.items()}) is first
+    text = json.dumps(LAST)
+    assert _wires(_parse_request_selects(text)) == {"*": LAST}
+    assert _parse_request_selects(text) is _parse_request_selects(text)
+    assert len(decodes) == 2  # the dict (in either order, lists or tuples) and the text
+
+
+def test_a_remembered_clause_does_not_stand_in_for_one_that_decodes_otherwise(decodes):
+    assert _wires(_parse_request_selects({"prompt_positions": [1]})) == {
+        "*": SelectSpec(prompt_positions=(1,)).to_wire()}
+    for bad in ({"prompt_positions": [True]}, {"prompt_positions": [1.0]}):
+        for _ in range(2):  # a bad payload fails every request that carries it
+            with pytest.raises(ValueError, match="prompt_positions"):
+                _parse_request_selects(bad)
+    assert len(decodes) == 5
+
+
+def test_numpy_payloads_decode_each_time(decodes):
+    np = pytest.importorskip("numpy")
+    raw = {"prompt_positions": [np.int64(-1)]}
+    assert _wires(_parse_request_selects(raw)) == {"*": LAST}
+    _parse_request_selects(raw)
+    assert len(decodes) == 2
+
+
+def test_remembered_payloads_are_bounded(decodes, monkeypatch):
+    from vllm_capture.session import session
+
+    monkeypatch.setattr(session, "DECODED_SELECTS_KEPT", 4)
+    for position in range(10):
+        _parse_request_selects({"prompt_positions": [position]})
+        assert len(session._DECODED_SELECTS) <= 4
