@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from vllm_capture.selection import SelectSpec
@@ -82,7 +83,6 @@ def test_a_remembered_clause_does_not_stand_in_for_one_that_decodes_otherwise(de
 
 
 def test_numpy_payloads_decode_each_time(decodes):
-    np = pytest.importorskip("numpy")
     raw = {"prompt_positions": [np.int64(-1)]}
     assert _wires(_parse_request_selects(raw)) == {"*": LAST}
     _parse_request_selects(raw)
