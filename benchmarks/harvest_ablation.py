@@ -283,7 +283,7 @@ class PhaseTimers:
         self.names = list(dict.fromkeys(name for *_, name in phases))
         self.first = first
         n = len(self.names)
-        self._map = mmap.mmap(-1, 32 * n + 8 * (2 + first * n))
+        self._map = mmap.mmap(-1, 32 * n + 8 * (2 + 2 * first * n))
         self._totals = np.frombuffer(self._map, dtype=np.float64, count=4 * n).reshape(n, 4)
         # The generate's iteration the engine is in (set to 0 by ``new_generate``, advanced as
         # each iteration ends) and when the generate began (``time.perf_counter``, one clock for
@@ -291,6 +291,11 @@ class PhaseTimers:
         self._at = np.frombuffer(self._map, dtype=np.float64, count=2, offset=32 * n)
         self._first = np.frombuffer(self._map, dtype=np.float64, count=first * n,
                                     offset=32 * n + 16).reshape(first, n)
+        # The same on the calling thread's CPU clock (``time.thread_time``): where a phase's
+        # seconds exceed its CPU seconds, its thread waited (the GIL, a lock, the device) or was
+        # preempted. Read in the first iterations only: the clock is a system call.
+        self._first_cpu = np.frombuffer(self._map, dtype=np.float64, count=first * n,
+                                        offset=32 * n + 16 + 8 * first * n).reshape(first, n)
         # An iteration ends where the outermost of these ends: "iteration" holds "step", and an
         # engine in this process (--in-process) has no EngineCoreProc, so "step" alone.
         self._iteration_phases = {self.names.index(n) for n in ("iteration", "step")
@@ -308,11 +313,12 @@ class PhaseTimers:
                                                    counters if name in counted else None))
 
     def _timed(self, fn, index, counters):
-        clock = time.perf_counter
-        total, at, first = self._totals[index], self._at, self._first
+        clock, cpu_clock = time.perf_counter, time.thread_time
+        total, at, first, first_cpu = self._totals[index], self._at, self._first, self._first_cpu
         is_iteration = index in self._iteration_phases
 
         def timed(*args, **kwargs):
+            c0 = cpu_clock() if at[0] < len(first) else None
             t0 = clock()
             if is_iteration:
                 self._depth += 1
@@ -329,6 +335,8 @@ class PhaseTimers:
                 k = int(at[0])
                 if k < len(first):
                     first[k, index] += spent
+                    if c0 is not None and spent > 0:
+                        first_cpu[k, index] += cpu_clock() - c0
                 if is_iteration:
                     self._depth -= 1
                     if self._depth == 0:
@@ -354,14 +362,22 @@ class PhaseTimers:
     def new_generate(self) -> None:
         """Start reading the first iterations anew: the engine's next iteration is number 0."""
         self._first[:] = 0.0
+        self._first_cpu[:] = 0.0
         self._at[:] = (0.0, time.perf_counter())
 
     def first_iterations(self) -> list[dict[str, float]]:
         """ms by phase of each of the first iterations since ``new_generate`` (those the engine
-        ran), phases it did not run left out."""
+        ran), phases it did not run left out; ``NAME_cpu``: the ms its thread ran on a CPU."""
         ran = min(int(self._at[0]), self.first)
-        return [{name: float(ms) for name, ms in zip(self.names, self._first[k] * 1e3) if ms > 0}
-                for k in range(ran)]
+        out = []
+        for k in range(ran):
+            ms = {}
+            for name, wall, cpu in zip(self.names, self._first[k] * 1e3, self._first_cpu[k] * 1e3):
+                if wall > 0:
+                    ms[name] = float(wall)
+                    ms[f"{name}_cpu"] = float(cpu)
+            out.append(ms)
+        return out
 
     def read(self) -> dict[str, tuple[float, int, float, float]]:
         return {name: (float(s), int(n), float(i), float(c))

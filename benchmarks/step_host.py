@@ -27,6 +27,15 @@ runs.
 Prints one JSON line: microseconds per decode step (median and 90th percentile) for
 begin + end, the plan copies the decode steps made (one: the first decode step's; steady decode
 makes none) and, for ``all``, the steps that only set the device plan's step count.
+
+``--first-steps N`` times a generate's first steps instead, N generates in a row, as vLLM runs
+them: the prefill split over two steps (the requests that arrived first, then the rest), then
+four decode steps; each generate's requests are new, and finish and are fetched after it. On the
+1B benchmark's engine these steps' ``begin_step`` costs about 4.5 ms a generate (session 51, an
+H100), where the steady step costs 12 us. ``--busy-ms`` keeps the GPU busy that long before
+each step (a sleep kernel, as the forward in flight), so that a call that waits for the device
+shows as a long step; ``--cprofile STEP`` prints that step's functions (``prefill0``,
+``prefill1``, ``decode0``..``decode3``).
 """
 
 from __future__ import annotations
@@ -99,6 +108,69 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
             "plan_uploads": state.plan_uploads - uploads, "plan_steps": state.plan_steps - moved}
 
 
+def measure_first_steps(layers: int, width: int, requests: int, generates: int,
+                        device: torch.device, busy_ms: float = 0.0,
+                        cprofile_step: str | None = None) -> dict:
+    import cProfile
+    import io
+    import pstats
+
+    capacity = requests * PROMPT
+    state = CaptureGraphState(device=device, capacity=capacity, acc_slots=requests)
+    for layer in range(layers):
+        state.add_site(HS, layer, f"model.layers.{layer}", width, torch.bfloat16)
+    state.allocate()
+    state.set_input_ids(torch.zeros(capacity, dtype=torch.int32, device=device))
+    state.await_kernels()
+    session = CaptureSession(state, {HS: {}})
+    session.enable_stream(HS, reduce="last")
+    params = types.SimpleNamespace(extra_args={}, n=1)
+    spare = np.zeros(requests + 8, dtype=np.int32)
+    first = requests // 4
+    busy_cycles = 0
+    if busy_ms and device.type == "cuda":
+        rate = torch.cuda.get_device_properties(device).clock_rate  # kHz
+        busy_cycles = int(busy_ms * rate)
+    profile = cProfile.Profile() if cprofile_step else None
+    times: dict[str, list[float]] = {}
+
+    def step(name: str, req_ids: list[str], query_start_loc, computed: int) -> None:
+        qsl = np.concatenate([np.asarray(query_start_loc, dtype=np.int32), spare])
+        comp = np.concatenate([np.full(len(req_ids), computed, dtype=np.int32), spare])
+        if busy_cycles:
+            torch.cuda._sleep(busy_cycles)
+        if name == cprofile_step:
+            profile.enable()
+        t0 = time.perf_counter()
+        session.begin_step(StepBuffers(req_ids, qsl, comp, int(qsl[len(req_ids)])))
+        session.end_step()
+        times.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
+        if name == cprofile_step:
+            profile.disable()
+
+    for g in range(generates):
+        req_ids = [f"gen{g}-req{i}" for i in range(requests)]
+        for r in req_ids:
+            session.add_request(r, list(range(PROMPT)), params)
+        step("prefill0", req_ids[:first], np.arange(first + 1) * PROMPT, 0)
+        step("prefill1", req_ids[first:], np.arange(requests - first + 1) * PROMPT, 0)
+        for k in range(4):
+            step(f"decode{k}", req_ids, np.arange(requests + 1), PROMPT + k)
+        session.finish_requests(req_ids)
+        session.fetch_stream(HS)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    out = {"device": device.type, "layers": layers, "requests": requests,
+           "generates": generates, "busy_ms": busy_ms,
+           "step_us": {k: round(statistics.median(v), 1) for k, v in times.items()},
+           "first_steps_us": round(sum(statistics.median(v) for v in times.values()), 1)}
+    if profile is not None:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        out["cprofile"] = text.getvalue()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
@@ -111,7 +183,21 @@ def main() -> int:
                    help="before each step, read this many MiB (more than the last-level cache), "
                         "as vLLM's work between two steps moves the step's code and data out of "
                         "the caches")
+    p.add_argument("--first-steps", type=int, default=0, metavar="GENERATES",
+                   help="time a generate's first steps (two prefill, four decode) instead")
+    p.add_argument("--busy-ms", type=float, default=0.0,
+                   help="with --first-steps: keep the GPU busy this long before each step")
+    p.add_argument("--cprofile", default=None, metavar="STEP",
+                   help="with --first-steps: print this step's functions under cProfile")
     args = p.parse_args()
+    if args.first_steps:
+        out = measure_first_steps(args.layers, args.width, args.requests, args.first_steps,
+                                  torch.device(args.device), args.busy_ms, args.cprofile)
+        text = out.pop("cprofile", None)
+        print(json.dumps(out))
+        if text:
+            print(text)
+        return 0
     print(json.dumps(measure(args.layers, args.width, args.requests, args.steps, args.reduce,
                              torch.device(args.device), args.evict_mb)))
     return 0
