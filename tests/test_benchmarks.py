@@ -1660,6 +1660,22 @@ def test_step_host_times_the_step_path_and_counts_plan_copies():
     assert (rows["plan_uploads"], rows["plan_steps"]) == (1, 19)
 
 
+def test_step_host_first_steps_time_each_of_a_generates_first_steps():
+    """--first-steps: each generate's requests are new, so every generate plans its prefill and
+    first decode steps again; later decode steps repeat the last plan (no copy, microseconds)."""
+    from benchmarks import step_host
+
+    import torch
+
+    out = step_host.measure_first_steps(layers=2, width=8, requests=8, generates=3,
+                                        device=torch.device("cpu"), cprofile_step="prefill1")
+    steps = out["step_us"]
+    assert list(steps) == ["prefill0", "prefill1", "decode0", "decode1", "decode2", "decode3"]
+    assert all(v > 0 for v in steps.values())
+    assert out["first_steps_us"] == pytest.approx(sum(steps.values()), abs=0.2)
+    assert "_open_tracks" in out["cprofile"]  # the prefill step opens the new requests' tracks
+
+
 # ---- one eager capture launch's host time -----------------------------------------------------
 
 def test_ablation_rejects_a_switch_interval_that_python_would_not_take(monkeypatch, capsys):
@@ -1774,16 +1790,21 @@ def test_phase_timers_time_each_of_a_generates_first_iterations_apart():
     assert os.waitpid(pid, 0)[1] == 0
     first = timers.first_iterations()
     assert len(first) == 2  # the third iteration ran, but only two are kept
-    assert set(first[0]) == {"iteration", "step", "nap"} and set(first[1]) == {"iteration", "step"}
+    ran = ({"iteration", "step", "nap"}, {"iteration", "step"})
+    for it, names in zip(first, ran):
+        assert set(it) == names | {f"{name}_cpu" for name in names}
     assert first[0]["nap"] >= 4.0 and first[0]["iteration"] >= first[0]["nap"] + first[0]["step"]
     assert first[1]["iteration"] < first[0]["nap"]
+    # On the thread's CPU clock a nap (a sleep) is next to nothing: the wait shows as wall time.
+    assert 0 <= first[0]["nap_cpu"] < first[0]["nap"] / 4
+    assert first[0]["iteration_cpu"] < first[0]["iteration"] - 3.0
     assert timers.read()["nap"][1] == 3 + 2 + 1  # the totals count on
     timers.new_generate()
     assert timers.first_iterations() == []  # no iteration of the next generate yet
     # An engine without the outer loop (in this process): each step is an iteration.
     _Step().step()
     _Step().step()
-    assert [set(it) for it in timers.first_iterations()] == [{"step"}, {"step"}]
+    assert [set(it) for it in timers.first_iterations()] == [{"step", "step_cpu"}] * 2
 
 
 def test_phase_timers_count_a_call_from_the_generates_start():
