@@ -109,3 +109,72 @@ def test_each_distinct_label_is_decided_once_for_every_layer(monkeypatch):
     distinct = {r[0] for r in rows}
     assert set(calls) == distinct and len(calls) <= 2 * len(distinct)  # not once a layer
     assert sorted(grouped) == list(range(16)) and offsets[-1] == len(rows)
+
+
+def _reordered(meta: CaptureMeta, values: torch.Tensor, perm: list[int]):
+    idx = torch.tensor(perm)
+    return (CaptureMeta([meta.req_ids[j] for j in perm], meta.positions[idx].clone(),
+                        meta.token_ids[idx].clone()), values[idx])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_layers_fetched_in_other_orders_or_with_their_own_labels_group_alike(seed):
+    """Each fetched layer brings labels of its own: equal to the layer before (the fast path),
+    or the same rows in another order (sorted and compared again)."""
+    rng = random.Random(seed)
+    request_ids = [f"r{i}" for i in range(6)]
+    tensors, meta, rows = _fetched(rng, request_ids, layers=(0,))
+    base_meta, base = meta[0], tensors[0]
+    n = len(rows)
+    shuffled = list(range(n))
+    rng.shuffle(shuffled)
+    fetched = {0: (base_meta, base),
+               1: _reordered(base_meta, base + 1, list(range(n))),  # equal labels, own objects
+               2: _reordered(base_meta, base + 2, shuffled),
+               3: _reordered(base_meta, base + 3, shuffled)}
+    grouped, grouped_meta, offsets = group_rows({k: v[1] for k, v in fetched.items()},
+                                                {k: v[0] for k, v in fetched.items()},
+                                                request_ids)
+    owner = np.asarray(_brute_owner([r[0] for r in rows], request_ids))
+    order = sorted(range(n), key=lambda j: (owner[j], rows[j][1], j))
+    for layer in fetched:
+        assert torch.equal(grouped[layer], base[order] + layer)
+        assert grouped_meta[layer].req_ids == [rows[j][0] for j in order]
+        assert grouped_meta[layer].positions.tolist() == [rows[j][1] for j in order]
+        assert grouped_meta[layer].token_ids.tolist() == [rows[j][2] for j in order]
+    # Every layer's labels are its own: a caller may change one layer's without the others'.
+    grouped_meta[0].positions[:] = -5
+    grouped_meta[0].req_ids.clear()
+    assert grouped_meta[1].req_ids == [rows[j][0] for j in order]
+    assert grouped_meta[1].positions.tolist() == [rows[j][1] for j in order]
+
+
+def test_a_layer_whose_token_ids_alone_differ_raises():
+    labels = ["a-0123abcd", "b-0123abcd"]
+    meta = {0: CaptureMeta(labels, torch.tensor([0, 0]), torch.tensor([1, 2])),
+            1: CaptureMeta(list(labels), torch.tensor([0, 0]), torch.tensor([1, 3]))}
+    with pytest.raises(RuntimeError, match="differ from the other layers"):
+        group_rows({0: torch.zeros(2, 3), 1: torch.zeros(2, 3)}, meta, ["a", "b"])
+
+
+def test_large_layers_are_copied_into_huge_page_memory(monkeypatch):
+    import vllm_capture.host_pages as host_pages
+
+    marked = []
+    monkeypatch.setattr(host_pages, "MIN_BYTES", 1)
+    monkeypatch.setattr(host_pages, "_madvise", lambda start, length, advice: marked.append(
+        (start, length, advice)) or 0)
+    rng = random.Random(3)
+    request_ids = [f"r{i}" for i in range(4)]
+    _, meta, rows = _fetched(rng, request_ids, layers=(0,))
+    values = torch.randn(len(rows), 1 << 19)  # 2 MiB a row: every row spans a huge page
+    grouped, _, _ = group_rows({0: values}, meta, request_ids)
+    owner = np.asarray(_brute_owner([r[0] for r in rows], request_ids))
+    order = sorted(range(len(rows)), key=lambda j: (owner[j], rows[j][1], j))
+    assert torch.equal(grouped[0], values[order])
+    start = grouped[0].data_ptr()
+    assert len(marked) == 1
+    first, length, advice = marked[0]
+    assert advice == 14 and first % (2 << 20) == 0 and length % (2 << 20) == 0
+    assert start <= first and first + length <= start + grouped[0].numel() * 4
+    assert length >= (len(rows) - 1) * (2 << 20)

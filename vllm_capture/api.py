@@ -16,6 +16,7 @@ import torch
 
 from vllm_capture.checks import as_count
 from vllm_capture.engine.config import CONFIG_KEY, WORKER_EXTENSION, engine_kwargs
+from vllm_capture.host_pages import empty_on_huge_pages
 from vllm_capture.selection import SelectSpec
 from vllm_capture.server import Server
 from vllm_capture.session import shm
@@ -416,40 +417,56 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
     Raises on rows that belong to no prompt (stale labels), rows claimed twice, and layers whose
     row labels differ (every layer of a stream must carry the same rows).
     """
-    grouped_t, grouped_m, offsets, reference = {}, {}, [0], None
+    grouped_t, grouped_m, offsets = {}, {}, [0]
     client_index = {client: i for i, client in enumerate(request_ids)}
     decided: dict[str, int] = {}  # the layers' labels are the same ones
     ends = None if ends is None else np.asarray(ends, dtype=np.int64)
+    reference = None  # the first layer's labels in prompt order: (owner, position, token id)
+    previous = None  # the last layer's labels as fetched, its order and its grouped labels
     for layer in sorted(tensors):
         m = meta[layer]
-        owner = _owners(m.req_ids, client_index, layer, decided)
-        if (owner < 0).any():
-            stale = sorted({m.req_ids[j] for j in np.flatnonzero(owner < 0)})[:5]
-            raise RuntimeError(f"layer {layer}: rows of requests that are not part of this "
-                               f"capture: {stale}")
-        positions = m.positions.numpy()
-        order = np.lexsort((np.arange(len(m)), positions, owner))
-        if ends is not None:
-            order = order[positions[order] < ends[owner[order]]]
-        labels = list(zip(owner[order].tolist(), positions[order].tolist(),
-                          m.token_ids.numpy()[order].tolist()))
-        if reference is None:
-            reference = labels
-            counts = np.bincount(owner[order], minlength=len(request_ids))
-            offsets = [0] + np.cumsum(counts).tolist()
-        elif labels != reference:
-            raise RuntimeError(f"layer {layer}: row labels differ from the other layers'")
+        if previous is not None and _same_labels(m, previous[0]):
+            # A layer's labels are the other layers' (one site's travel for all): no sort and
+            # no label to compare again.
+            _, idx, req_ids, positions, token_ids = previous
+        else:
+            owner = _owners(m.req_ids, client_index, layer, decided)
+            if (owner < 0).any():
+                stale = sorted({m.req_ids[j] for j in np.flatnonzero(owner < 0)})[:5]
+                raise RuntimeError(f"layer {layer}: rows of requests that are not part of this "
+                                   f"capture: {stale}")
+            at = m.positions.numpy()
+            order = np.lexsort((np.arange(len(m)), at, owner))
+            if ends is not None:
+                order = order[at[order] < ends[owner[order]]]
+            labels = (owner[order], at[order], m.token_ids.numpy()[order])
+            if reference is None:
+                reference = labels
+                counts = np.bincount(labels[0], minlength=len(request_ids))
+                offsets = [0] + np.cumsum(counts).tolist()
+            elif not all(np.array_equal(a, b) for a, b in zip(labels, reference)):
+                raise RuntimeError(f"layer {layer}: row labels differ from the other layers'")
+            idx = torch.from_numpy(order)
+            req_ids = [m.req_ids[j] for j in order.tolist()]
+            positions, token_ids = m.positions[idx], m.token_ids[idx]
+            previous = (m, idx, req_ids, positions, token_ids)
         # Always a copy, in prompt order already or not: a view would keep the fetch's
         # /dev/shm file from the pool for as long as a caller holds the rows (an extract buffers
         # a shard's batches). index_select copies whole rows; indexing (t[idx]) copies element
-        # by element, 4x slower on CPU for a [256, 2048] bfloat16 layer.
-        idx = torch.from_numpy(order)
-        grouped_t[layer] = torch.index_select(tensors[layer], 0, idx)
-        grouped_m[layer] = CaptureMeta([m.req_ids[j] for j in order.tolist()],
-                                       m.positions[idx], m.token_ids[idx])
+        # by element, 4x slower on CPU for a [256, 2048] bfloat16 layer. Into huge pages: most
+        # of a copy into fresh memory was its page faults (host_pages).
+        t = tensors[layer]
+        grouped_t[layer] = torch.index_select(
+            t, 0, idx, out=empty_on_huge_pages((len(idx), *t.shape[1:]), t.dtype))
+        grouped_m[layer] = CaptureMeta(list(req_ids), positions.clone(), token_ids.clone())
     if reference is None:
         offsets = [0] * (len(request_ids) + 1)
     return grouped_t, grouped_m, offsets
+
+
+def _same_labels(a: CaptureMeta, b: CaptureMeta) -> bool:
+    return (a is b or a.req_ids == b.req_ids) and torch.equal(a.positions, b.positions) \
+        and torch.equal(a.token_ids, b.token_ids)
 
 
 def _owners(labels: list[str], client_index: dict[str, int], layer: int,
