@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | first-steps | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | first-steps | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -258,6 +258,11 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
         timeout 120 python3 benchmarks/step_host.py --device $d --evict-mb $mb 2>&1 | tee -a "$OUT/step_host.log" | grep -E "^\{"
       done
     done
+    ;;
+  client-copies)
+    # The extract client's copies of a batch on this host's CPU (benchmarks/client_copies.py:
+    # group_rows and a shard's concatenation, into huge pages and not); no GPU, no engine.
+    timeout 300 python3 benchmarks/client_copies.py 2>&1 | tee "$OUT/client_copies.log" | grep -E "^\{"
     ;;
   first-steps)
     # A generate's first steps' begin_step without an engine (step_host.py --first-steps): on the

@@ -49,7 +49,20 @@ def describe(cpuinfo: str | None = None, sys_cpu: Path = Path("/sys/devices/syst
         except (OSError, ValueError):
             pass
     out["affinity"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    thp = thp_mode()
+    if thp is not None:
+        out["transparent_hugepage"] = thp
     return out
+
+
+def thp_mode(path: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str | None:
+    """The kernel's transparent huge page mode (always, madvise or never): the client's copies
+    into fresh memory ran 3x faster on huge pages (``client_copies.py``)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
 
 
 if __name__ == "__main__":

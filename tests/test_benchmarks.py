@@ -2485,6 +2485,32 @@ def test_host_cpu_reads_the_first_cpus_identity_every_cpus_mhz_and_the_last_cach
     assert bare["model"] == "AMD EPYC" and "mhz" not in bare and "last_level_cache" not in bare
 
 
+def test_host_cpu_reads_the_transparent_huge_page_mode(tmp_path):
+    from benchmarks import host_cpu
+
+    enabled = tmp_path / "enabled"
+    enabled.write_text("always [madvise] never\n")
+    assert host_cpu.thp_mode(enabled) == "madvise"
+    enabled.write_text("[always] madvise never\n")
+    assert host_cpu.thp_mode(enabled) == "always"
+    assert host_cpu.thp_mode(tmp_path / "absent") is None
+
+
+def test_client_copies_times_both_copies_with_and_without_huge_pages(monkeypatch, capsys):
+    import json
+
+    from benchmarks import client_copies
+    import vllm_capture.host_pages as host_pages
+
+    threshold = host_pages.MIN_BYTES
+    monkeypatch.setattr(sys, "argv", ["client_copies.py", "--rows", "300", "--layers", "2",
+                                      "--width", "16", "--batches", "2", "--reps", "2"])
+    assert client_copies.main() == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"group_rows_huge", "group_rows_small", "concat_huge", "concat_small"} <= set(out)
+    assert host_pages.MIN_BYTES == threshold  # the module's threshold is given back
+
+
 def test_profile_step_reads_each_labelled_engine_iteration_apart():
     """A stand-in engine core that multiplies matrices on its second call and adds on the others;
     after one call the counter is set back to 0 and three are profiled (torch's profiler, CPU):
