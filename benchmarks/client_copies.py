@@ -70,9 +70,7 @@ def main() -> int:
             host_pages.MIN_BYTES = threshold if huge else 1 << 62
             tag = "huge" if huge else "small"
             timed(f"group_rows_{tag}", lambda: group_rows(tensors, meta, request_ids))
-            rows = args.rows * args.batches
-            timed(f"concat_{tag}", lambda: torch.cat(parts, out=host_pages.empty_on_huge_pages(
-                (rows, args.width), torch.bfloat16)))
+            timed(f"concat_{tag}", lambda: host_pages.cat_on_huge_pages(parts))
     host_pages.MIN_BYTES = threshold
     print(json.dumps({"rows": args.rows, "layers": args.layers, "width": args.width,
                       "batches": args.batches, "reps": args.reps, "thp": thp_mode(),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vllm_capture.host_pages as host_pages
-from vllm_capture.host_pages import HUGE_PAGE, empty_on_huge_pages, huge_page_span
+from vllm_capture.host_pages import HUGE_PAGE, cat_on_huge_pages, empty_on_huge_pages, huge_page_span
 
 
 @pytest.mark.parametrize("address, nbytes, expected", [
@@ -62,3 +62,15 @@ def test_the_advice_reaches_the_kernel_and_the_tensor_holds_what_is_written():
     assert madvise(span[0], span[1], 14) == 0
     t.copy_(torch.arange(t.numel(), dtype=torch.float32))
     assert t[-1].item() == t.numel() - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_cat_on_huge_pages_is_torch_cat(monkeypatch, dtype):
+    marked = []
+    monkeypatch.setattr(host_pages, "MIN_BYTES", 1)
+    monkeypatch.setattr(host_pages, "_madvise", lambda *a: marked.append(a) or 0)
+    parts = [torch.arange(n * 3 * 2 ** 18).reshape(n, 3 * 2 ** 18).to(dtype) for n in (2, 0, 5)]
+    parts.append(torch.ones(7, 6 * 2 ** 18).to(dtype)[:, ::2])  # a strided part
+    out = cat_on_huge_pages(parts)
+    assert torch.equal(out, torch.cat(parts)) and out.is_contiguous()
+    assert len(marked) == 1  # 14 rows of 3 MiB or more: whole huge pages inside

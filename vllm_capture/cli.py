@@ -637,18 +637,15 @@ class _Buffer:
         import numpy as np
         import torch
 
-        from vllm_capture.host_pages import empty_on_huge_pages
+        from vllm_capture.host_pages import cat_on_huge_pages
 
         out = {}
         for c in self.components:
             for layer in self.layers[c]:
                 parts = self.tensors[c][layer]
-                if len(parts) > 1:
-                    rows = sum(t.shape[0] for t in parts)
-                    out[tensor_name(c, layer)] = torch.cat(parts, out=empty_on_huge_pages(
-                        (rows, *parts[0].shape[1:]), parts[0].dtype))
-                elif parts:
-                    out[tensor_name(c, layer)] = parts[0]
+                if parts:
+                    out[tensor_name(c, layer)] = parts[0] if len(parts) == 1 else \
+                        cat_on_huge_pages(parts)
                 else:
                     out[tensor_name(c, layer)] = torch.empty((0, widths[c][layer]),
                                                              dtype=dtypes[c])

@@ -75,6 +75,7 @@ import numpy as np
 import torch
 
 from vllm_capture.checks import is_int
+from vllm_capture.host_pages import cat_on_huge_pages
 
 FORMAT = "vllm-capture-dataset"
 FORMAT_VERSION = 2
@@ -668,7 +669,7 @@ class CaptureDataset:
         if not parts:
             width = self.layout(component, layer)["width"]
             return torch.empty((0, width), dtype=self.dtypes[component] or torch.float32)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return parts[0] if len(parts) == 1 else cat_on_huge_pages(parts)
 
     def labels(self, component: str | None = None, prompt=None, positions=None) -> dict[str, np.ndarray]:
         """Label columns of the same rows ``rows()`` returns for the same query."""

@@ -64,3 +64,9 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if madvise:
         madvise(span[0], span[1], _MADV_HUGEPAGE)  # advice: a failure leaves small pages
     return t
+
+
+def cat_on_huge_pages(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` (rows: dim 0) into :func:`empty_on_huge_pages` memory."""
+    rows = sum(t.shape[0] for t in parts)
+    return torch.cat(parts, out=empty_on_huge_pages((rows, *parts[0].shape[1:]), parts[0].dtype))
