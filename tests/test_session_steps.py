@@ -963,6 +963,35 @@ def test_reduce_last_and_mean_example():
         assert engine.session.stream_status(ref.component)["pending_reductions"] == 0
 
 
+def test_a_stream_enabled_again_hands_out_clean_slots():
+    """Slots are zeroed as they are read. A stream disabled with a reduction still open leaves
+    its slot written (never read), and the next stream of that component hands the same slot out
+    first: it must start from nothing."""
+    engine = Engine(acc_slots=2)
+    engine.session.enable_stream(HS, reduce="last")
+    engine.session.enable_stream(AH, reduce="mean")
+    a = Req(num=0, prompt=[1, 2, 3, 4], gen=[3])
+    engine.step([(a, 4)])  # a's rows go into slot 0 of both streams
+    engine.session.disable_stream(HS)
+    engine.session.disable_stream(AH)
+    engine.step([(a, 1)])
+    assert a.done
+    last, mean = RefStream(HS, 2, reduce="last"), RefStream(AH, 2, reduce="mean")
+    engine.refs = [last, mean]
+    engine.session.enable_stream(HS, reduce="last")
+    engine.session.enable_stream(AH, reduce="mean")
+    b = Req(num=1, prompt=[4, 4, 1], gen=[1, 2])
+    engine.step([(b, 2)])
+    engine.step([(b, 1)])
+    engine.step([(b, 1)])
+    engine.step([(b, 1)])
+    assert b.done
+    engine.step([])  # b's finish reaches the worker
+    for ref in (last, mean):
+        rows = decode_rows(*engine.fetch(ref.component))
+        check_reduced(ref, rows, [b.rid])
+
+
 def test_reductions_finalized_in_several_steps_are_stored_as_one_chunk_per_layer(monkeypatch):
     """Reductions the harvest thread stores together go into one append: a fetch then takes each
     layer's rows whole (one chunk), with the same rows and labels as one append per step."""
