@@ -63,8 +63,10 @@ HS = "hidden_states"
 PROMPT = 32
 
 
-def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
-            device: torch.device, evict_mb: int = 0) -> dict:
+def capture_session(layers: int, width: int, requests: int, reduce: str,
+                    device: torch.device) -> tuple[CaptureGraphState, CaptureSession]:
+    """A graph state of ``layers`` hidden-state sites and a session with one stream on, room for
+    ``requests`` prompts of ``PROMPT`` tokens in one step."""
     capacity = requests * PROMPT
     state = CaptureGraphState(device=device, capacity=capacity, acc_slots=requests)
     for layer in range(layers):
@@ -74,6 +76,13 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
     state.await_kernels()  # the compile thread (on a GPU) would contend with the measurement
     session = CaptureSession(state, {HS: {}})
     session.enable_stream(HS, reduce=reduce)
+    return state, session
+
+
+def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
+            device: torch.device, evict_mb: int = 0) -> dict:
+    capacity = requests * PROMPT
+    state, session = capture_session(layers, width, requests, reduce, device)
     req_ids = [f"req-{i}" for i in range(requests)]
     params = types.SimpleNamespace(extra_args={}, n=1)
     for r in req_ids:
@@ -115,15 +124,7 @@ def measure_first_steps(layers: int, width: int, requests: int, generates: int,
     import io
     import pstats
 
-    capacity = requests * PROMPT
-    state = CaptureGraphState(device=device, capacity=capacity, acc_slots=requests)
-    for layer in range(layers):
-        state.add_site(HS, layer, f"model.layers.{layer}", width, torch.bfloat16)
-    state.allocate()
-    state.set_input_ids(torch.zeros(capacity, dtype=torch.int32, device=device))
-    state.await_kernels()
-    session = CaptureSession(state, {HS: {}})
-    session.enable_stream(HS, reduce="last")
+    _, session = capture_session(layers, width, requests, "last", device)
     params = types.SimpleNamespace(extra_args={}, n=1)
     spare = np.zeros(requests + 8, dtype=np.int32)
     first = requests // 4
