@@ -367,7 +367,8 @@ class PhaseTimers:
 
     def first_iterations(self) -> list[dict[str, float]]:
         """ms by phase of each of the first iterations since ``new_generate`` (those the engine
-        ran), phases it did not run left out; ``NAME_cpu``: the ms its thread ran on a CPU."""
+        ran), phases it did not run left out; ``NAME_cpu``: the ms its thread ran on a CPU (0
+        for a call begun before the generate, such as the engine core's wait for its input)."""
         ran = min(int(self._at[0]), self.first)
         out = []
         for k in range(ran):
