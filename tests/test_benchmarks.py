@@ -1661,8 +1661,8 @@ def test_step_host_times_the_step_path_and_counts_plan_copies():
 
 
 def test_step_host_first_steps_time_each_of_a_generates_first_steps():
-    """--first-steps: each generate's requests are new, so every generate plans its prefill and
-    first decode steps again; later decode steps repeat the last plan (no copy, microseconds)."""
+    """--first-steps: each of a generate's six first steps is timed (every generate's requests
+    are new, so each plans its prefill again), and the step named is profiled."""
     from benchmarks import step_host
 
     import torch
