@@ -427,8 +427,9 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
         m = meta[layer]
         if previous is not None and _same_labels(m, previous[0]):
             # A layer's labels are the other layers' (one site's travel for all): no sort and
-            # no label to compare again.
+            # no label to compare again. Its own copies: a caller may change one layer's.
             _, idx, req_ids, positions, token_ids = previous
+            grouped = CaptureMeta(list(req_ids), positions.clone(), token_ids.clone())
         else:
             owner = _owners(m.req_ids, client_index, layer, decided)
             if (owner < 0).any():
@@ -450,6 +451,7 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
             req_ids = [m.req_ids[j] for j in order.tolist()]
             positions, token_ids = m.positions[idx], m.token_ids[idx]
             previous = (m, idx, req_ids, positions, token_ids)
+            grouped = CaptureMeta(req_ids, positions, token_ids)
         # Always a copy, in prompt order already or not: a view would keep the fetch's
         # /dev/shm file from the pool for as long as a caller holds the rows (an extract buffers
         # a shard's batches). index_select copies whole rows; indexing (t[idx]) copies element
@@ -458,7 +460,7 @@ def group_rows(tensors: dict[int, torch.Tensor], meta: dict[int, CaptureMeta],
         t = tensors[layer]
         grouped_t[layer] = torch.index_select(
             t, 0, idx, out=empty_on_huge_pages((len(idx), *t.shape[1:]), t.dtype))
-        grouped_m[layer] = CaptureMeta(list(req_ids), positions.clone(), token_ids.clone())
+        grouped_m[layer] = grouped
     if reference is None:
         offsets = [0] * (len(request_ids) + 1)
     return grouped_t, grouped_m, offsets
