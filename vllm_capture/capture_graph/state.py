@@ -518,18 +518,14 @@ class CaptureGraphState:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def reset_acc_slots(self, component: str, idx: torch.Tensor | None = None) -> None:
-        """Zero the reduction slots ``idx`` (a device index; None: every slot) of every site of
-        ``component``, on the current stream: after the reads and steps enqueued before."""
+    def reset_acc_slots(self, component: str, slots: list[int]) -> None:
+        if not slots:
+            return
+        idx = self._device_index(slots)
         for group in self.groups.get(component, ()):
-            if idx is None:
-                group.acc.zero_()
-                group.acc_count.zero_()
-                group.acc_labels.zero_()
-            else:
-                group.acc.index_fill_(1, idx, 0.0)
-                group.acc_count.index_fill_(1, idx, 0)
-                group.acc_labels.index_fill_(1, idx, 0)
+            group.acc.index_fill_(1, idx, 0.0)
+            group.acc_count.index_fill_(1, idx, 0)
+            group.acc_labels.index_fill_(1, idx, 0)
 
     def read_acc_slots(self, component: str, slots: list[int], mean: bool,
                        dtype: torch.dtype | None = None) -> DrainedRows:
@@ -539,11 +535,8 @@ class CaptureGraphState:
         labels int32 [n, 3], counts int32 [n]): the fp32 accumulator as it is (``last``) or
         divided by its count (``mean``), then cast on the device, so the copy carries storage
         bytes and the host converts nothing (a worker's torch runs on one CPU thread). The gather
-        (one per ring group, every enabled layer at once) runs on the main stream, and the slots
-        are zeroed right after it there, so that they are clean when handed out again: a new
-        request's first step then resets nothing (on the 1B's engine, a generate's first steps
-        are where capture's host time shows, and the engine core's input thread runs beside
-        them).
+        (one per ring group, every enabled layer at once) runs on the main stream, ahead of any
+        later reset or reuse of those slots.
         """
         idx = self._device_index(slots)
         cuda = self.device.type == "cuda"
@@ -565,8 +558,6 @@ class CaptureGraphState:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
             self._copy_stream.wait_event(done)
-        # After the event: the copies wait for the gathers, not for the fills.
-        self.reset_acc_slots(component, idx)
         layers, names = {}, {}
         with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
             for group, picked in gathered:

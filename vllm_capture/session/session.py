@@ -291,9 +291,6 @@ class CaptureSession:
         self.disable_stream(stream)
         st = Stream(stream, config, StreamStore(config))
         st.free_slots = list(range(self.graph_state.acc_slots - 1, -1, -1))
-        # Slots are zeroed as they are read (read_acc_slots), not as they are handed out; an
-        # earlier stream of this component may have left any of them written.
-        self.graph_state.reset_acc_slots(stream)
         st.slot_req_index = np.zeros(self.graph_state.acc_slots, dtype=np.int32)
         st.slot_last_position = np.full(self.graph_state.acc_slots, -1, dtype=np.int64)
         self._set_stream(stream, st)
@@ -684,7 +681,7 @@ class CaptureSession:
 
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
-        opened = False  # a reduction slot handed out (the next fetch grows: _Opened)
+        new_slots: list[int] = []
         unreduced = 0
         for i, req_id in enumerate(geometry.req_ids):
             if req_id in st.tracks:
@@ -740,11 +737,13 @@ class CaptureSession:
                 st.slots[req_id] = slot
                 st.slot_req_index[slot] = track.req_index
                 st.slot_last_position[slot] = -1
-                opened = True
+                new_slots.append(slot)
             st.tracks[req_id] = track
         if unreduced:
             st.store.count_dropped(unreduced)
-        if opened and self.on_stored is not None:
+        # One device fill for every slot handed out this step (the step's forward follows it).
+        self.graph_state.reset_acc_slots(st.component, new_slots)
+        if new_slots and self.on_stored is not None:
             self._queue.put(_Opened())
 
     def _selects_missing(self, st: Stream, track: RequestTrack, skipped: Skipped) -> bool:
@@ -777,7 +776,7 @@ class CaptureSession:
     def _read_finished(self, st: Stream) -> _Reduced | None:
         """The rows of every closed reduction of ``st``, one per request and layer, on their way
         to the host in one device gather, to be stored (None: there are none). Their slots are
-        free again, zeroed on the main stream right after the gather (``read_acc_slots``)."""
+        free again: the gather runs on the main stream, ahead of any reset of them."""
         if not st.finished:
             return None
         req_ids = list(st.finished)
