@@ -518,14 +518,18 @@ class CaptureGraphState:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def reset_acc_slots(self, component: str, slots: list[int]) -> None:
-        if not slots:
-            return
-        idx = self._device_index(slots)
+    def reset_acc_slots(self, component: str, idx: torch.Tensor | None = None) -> None:
+        """Zero the reduction slots ``idx`` (a device index; None: every slot) of every site of
+        ``component``, on the current stream: after the reads and steps enqueued before."""
         for group in self.groups.get(component, ()):
-            group.acc.index_fill_(1, idx, 0.0)
-            group.acc_count.index_fill_(1, idx, 0)
-            group.acc_labels.index_fill_(1, idx, 0)
+            if idx is None:
+                group.acc.zero_()
+                group.acc_count.zero_()
+                group.acc_labels.zero_()
+            else:
+                group.acc.index_fill_(1, idx, 0.0)
+                group.acc_count.index_fill_(1, idx, 0)
+                group.acc_labels.index_fill_(1, idx, 0)
 
     def read_acc_slots(self, component: str, slots: list[int], mean: bool,
                        dtype: torch.dtype | None = None) -> DrainedRows:
@@ -535,8 +539,11 @@ class CaptureGraphState:
         labels int32 [n, 3], counts int32 [n]): the fp32 accumulator as it is (``last``) or
         divided by its count (``mean``), then cast on the device, so the copy carries storage
         bytes and the host converts nothing (a worker's torch runs on one CPU thread). The gather
-        (one per ring group, every enabled layer at once) runs on the main stream, ahead of any
-        later reset or reuse of those slots.
+        (one per ring group, every enabled layer at once) runs on the main stream, and the slots
+        are zeroed right after it there, so that they are clean when handed out again: a new
+        request's first step then resets nothing (on the 1B's engine, a generate's first steps
+        are where capture's host time shows, and the engine core's input thread runs beside
+        them).
         """
         idx = self._device_index(slots)
         cuda = self.device.type == "cuda"
@@ -553,6 +560,7 @@ class CaptureGraphState:
             labels = group.acc_labels[group.enabled[0]].index_select(0, idx)
             picked = (acc.to(dtype or group.ring.dtype), labels, counts)
             gathered.append((group, picked))
+        self.reset_acc_slots(component, idx)
         event = None
         if cuda:
             done = torch.cuda.Event()

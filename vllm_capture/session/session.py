@@ -291,6 +291,9 @@ class CaptureSession:
         self.disable_stream(stream)
         st = Stream(stream, config, StreamStore(config))
         st.free_slots = list(range(self.graph_state.acc_slots - 1, -1, -1))
+        # Slots are zeroed as they are read (read_acc_slots), not as they are handed out; an
+        # earlier stream of this component may have left any of them written.
+        self.graph_state.reset_acc_slots(stream)
         st.slot_req_index = np.zeros(self.graph_state.acc_slots, dtype=np.int32)
         st.slot_last_position = np.full(self.graph_state.acc_slots, -1, dtype=np.int64)
         self._set_stream(stream, st)
@@ -741,8 +744,6 @@ class CaptureSession:
             st.tracks[req_id] = track
         if unreduced:
             st.store.count_dropped(unreduced)
-        # One device fill for every slot handed out this step (the step's forward follows it).
-        self.graph_state.reset_acc_slots(st.component, new_slots)
         if new_slots and self.on_stored is not None:
             self._queue.put(_Opened())
 
@@ -776,7 +777,7 @@ class CaptureSession:
     def _read_finished(self, st: Stream) -> _Reduced | None:
         """The rows of every closed reduction of ``st``, one per request and layer, on their way
         to the host in one device gather, to be stored (None: there are none). Their slots are
-        free again: the gather runs on the main stream, ahead of any reset of them."""
+        free again, zeroed on the main stream right after the gather (``read_acc_slots``)."""
         if not st.finished:
             return None
         req_ids = list(st.finished)
