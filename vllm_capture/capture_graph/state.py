@@ -560,12 +560,13 @@ class CaptureGraphState:
             labels = group.acc_labels[group.enabled[0]].index_select(0, idx)
             picked = (acc.to(dtype or group.ring.dtype), labels, counts)
             gathered.append((group, picked))
-        self.reset_acc_slots(component, idx)
         event = None
         if cuda:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
             self._copy_stream.wait_event(done)
+        # After the event: the copies wait for the gathers, not for the fills.
+        self.reset_acc_slots(component, idx)
         layers, names = {}, {}
         with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
             for group, picked in gathered:
