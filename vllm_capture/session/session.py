@@ -684,7 +684,7 @@ class CaptureSession:
 
     def _open_tracks(self, st: Stream, geometry: BatchGeometry) -> None:
         """Create planner tracks for requests this stream sees for the first time."""
-        new_slots: list[int] = []
+        opened = False  # a reduction slot handed out (the next fetch grows: _Opened)
         unreduced = 0
         for i, req_id in enumerate(geometry.req_ids):
             if req_id in st.tracks:
@@ -740,11 +740,11 @@ class CaptureSession:
                 st.slots[req_id] = slot
                 st.slot_req_index[slot] = track.req_index
                 st.slot_last_position[slot] = -1
-                new_slots.append(slot)
+                opened = True
             st.tracks[req_id] = track
         if unreduced:
             st.store.count_dropped(unreduced)
-        if new_slots and self.on_stored is not None:
+        if opened and self.on_stored is not None:
             self._queue.put(_Opened())
 
     def _selects_missing(self, st: Stream, track: RequestTrack, skipped: Skipped) -> bool:
