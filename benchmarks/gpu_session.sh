@@ -60,8 +60,10 @@ case "$SET" in
     echo "drain-order rc=$? $(tail -1 "$OUT/drain_order.log" | cut -c1-400)"
     run llama_graph --model llama --mode graph
     compare llama_graph llama --max-rel 0.1
-    # The same prompts through the V1 runner's wrapper, compared with V2's rows (bit-identical in
-    # session 14; one bf16 step apart at most in session 15, as HF-close as V2's).
+    # The same prompts through the V1 runner's wrapper, compared with V2's rows: bit-identical
+    # since session 52, where every generate queues all its requests before the first step
+    # (generate_together); before, they ran in batches of however many had arrived, and were
+    # up to one bf16 step apart (sessions 15 and 52).
     run llama_v1_graph --model llama --mode graph --v1
     compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt
     ;;

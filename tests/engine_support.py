@@ -64,6 +64,37 @@ def shutdown_llm(llm) -> None:
     gc.collect()
 
 
+def generate_together(llm, prompts, params):
+    """``llm.generate`` with every request in the scheduler before its first step, so that two
+    calls on the same prompts run the same steps. A plain ``generate`` sends the requests one by
+    one while the engine core already steps: its first steps hold those that arrived by then,
+    and a row's value depends on the batch it ran in (session 52, ``tests/gpu/gpu_checks.py``
+    on an H100: a layer subset's bf16 rows up to 0.0625 off the full run's, one batch apart).
+    The scheduler is paused (vLLM's ``pause_scheduler``, mode "keep": requests queue, no step
+    runs) while the requests are sent, and resumed by a message sent right after the last of
+    them, from the same thread (a ZMQ socket takes one sender at a time). An in-process engine
+    adds them all before stepping anyway."""
+    core = llm.llm_engine.engine_core
+    if not hasattr(core, "call_utility"):  # InprocClient
+        return llm.generate(prompts, params, use_tqdm=False)
+    add_request, sent = core.add_request, []
+
+    def add_then_resume(request) -> None:
+        add_request(request)
+        sent.append(request.request_id)
+        if len(sent) == len(prompts):
+            core.call_utility("resume_scheduler")
+
+    core.call_utility("pause_scheduler", "keep", False)
+    core.add_request = add_then_resume
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del core.add_request
+        if len(sent) < len(prompts):  # generate failed before its last request
+            core.call_utility("resume_scheduler")
+
+
 # ---- prompts ------------------------------------------------------------------------------------
 
 def random_prompt(rng: np.random.Generator, length: int) -> list[int]:

@@ -53,6 +53,8 @@ def run(args) -> None:
     from vllm_capture import api
     from vllm_capture.tiny_models import build
 
+    from tests.engine_support import generate_together
+
     path = build(args.model, Path(args.models) / args.model)
     kwargs = dict(dtype="bfloat16", max_model_len=512, max_num_batched_tokens=args.batched_tokens,
                   max_num_seqs=args.max_num_seqs, seed=0, gpu_memory_utilization=0.3,
@@ -84,7 +86,7 @@ def run(args) -> None:
     for s in streams:
         api.start_capture(llm, s)
     t = time.time()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = generate_together(llm, prompts, params)
     gen_s = time.time() - t
     result["tok_s_capturing_all"] = sum(len(o.outputs[0].token_ids) for o in outs) / gen_s
     result["outputs"] = [(o.request_id, list(o.prompt_token_ids), list(o.outputs[0].token_ids))
@@ -113,7 +115,7 @@ def run(args) -> None:
         chosen = [layers[0], layers[-1]]
         api.start_capture(llm, s, layers=chosen)
         idle_nodes = api.capture_status(llm, s)["graph_nodes"]
-        again = llm.generate(prompts, params, use_tqdm=False)
+        again = generate_together(llm, prompts, params)
         status = api.capture_status(llm, s)
         tensors, meta, _ = api.fetch_captured(llm, s)
         grouped, _, _ = api.group_rows(tensors, meta, [o.request_id for o in again])
@@ -138,7 +140,7 @@ def run(args) -> None:
         for reduce in ("last", "mean"):
             api.start_capture(llm, s, reduce=reduce)
             timers = api.capture_status(llm, s)["host_timers"]
-            again = llm.generate(prompts, params, use_tqdm=False)
+            again = generate_together(llm, prompts, params)
             after = api.capture_status(llm, s)["host_timers"]
             tensors, meta, _ = api.fetch_captured(llm, s)
             grouped, _, _ = api.group_rows(tensors, meta, [o.request_id for o in again])
