@@ -63,7 +63,7 @@ case "$SET" in
     # The same prompts through the V1 runner's wrapper, compared with V2's rows: bit-identical
     # since session 52, where every generate queues all its requests before the first step
     # (generate_together); before, they ran in batches of however many had arrived, and were
-    # up to one bf16 step apart (sessions 15 and 52).
+    # up to one bf16 step apart (sessions 15, 49, 50 and 52).
     run llama_v1_graph --model llama --mode graph --v1
     compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt
     ;;

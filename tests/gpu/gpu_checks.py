@@ -6,7 +6,9 @@ captures all three components at once for dozens of concurrent prompts of differ
 one run against Hugging Face transformers float32 on the same weights (prompt by prompt, so a row
 attributed to the wrong request or position shows as a large error) and against other runs of the
 same prompts (eager path, no graphs, tensor_parallel_size=1): rows matched by label, bit identity
-or the largest difference.
+or the largest difference. Each generate whose rows are compared queues all its requests before
+the engine's first step (``generate_together``), so that runs of the same prompts run the same
+steps: a row's bf16 value depends on its batch.
 """
 
 from __future__ import annotations
