@@ -44,9 +44,10 @@ case "$SET" in
     run llama_vanilla --model llama --no-capture
     run llama_graph --model llama --mode graph
     run llama_eager --model llama --mode eager
-    # Same compiled model without graphs: the op's eager path, for the bit-identity check.
+    # Same compiled model without graphs: the op's eager path, whose rows must equal the graph
+    # run's bit for bit (--identical; both runs take the same steps, see verify).
     run llama_nograph --model llama --mode nograph
-    compare llama_graph llama --max-rel 0.1 --against eager=/tmp/llama_eager.pt --against nograph=/tmp/llama_nograph.pt
+    compare llama_graph llama --max-rel 0.1 --against eager=/tmp/llama_eager.pt --against nograph=/tmp/llama_nograph.pt --identical nograph
     ;;
   verify)
     # After a kernel, upload or step-path change: graph-mode rows of the tiny Llama against HF
@@ -60,12 +61,12 @@ case "$SET" in
     echo "drain-order rc=$? $(tail -1 "$OUT/drain_order.log" | cut -c1-400)"
     run llama_graph --model llama --mode graph
     compare llama_graph llama --max-rel 0.1
-    # The same prompts through the V1 runner's wrapper, compared with V2's rows: bit-identical
-    # since session 52, where every generate queues all its requests before the first step
-    # (generate_together); before, they ran in batches of however many had arrived, and were
-    # up to one bf16 step apart (sessions 15, 49, 50 and 52).
+    # The same prompts through the V1 runner's wrapper, whose rows must equal V2's bit for bit
+    # (--identical): so they did in session 52, where every generate first queued all its
+    # requests (generate_together); before, they ran in batches of however many had arrived,
+    # and were up to one bf16 step apart (sessions 15, 49, 50 and 52).
     run llama_v1_graph --model llama --mode graph --v1
-    compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt
+    compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt --identical v2_graph
     ;;
   aligned)
     # Ring and slot counts whose rows are not 16-byte multiples (251 tokens a step, 50 slots):

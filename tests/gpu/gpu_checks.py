@@ -6,9 +6,10 @@ captures all three components at once for dozens of concurrent prompts of differ
 one run against Hugging Face transformers float32 on the same weights (prompt by prompt, so a row
 attributed to the wrong request or position shows as a large error) and against other runs of the
 same prompts (eager path, no graphs, tensor_parallel_size=1): rows matched by label, bit identity
-or the largest difference. Each generate whose rows are compared queues all its requests before
-the engine's first step (``generate_together``), so that runs of the same prompts run the same
-steps: a row's bf16 value depends on its batch.
+or the largest difference (``--identical NAME``: a failure unless run NAME's rows are all
+bit-identical). Each generate whose rows are compared queues all its requests before the
+engine's first step (``generate_together``), so that runs of the same prompts run the same steps:
+a row's bf16 value depends on its batch.
 """
 
 from __future__ import annotations
@@ -328,7 +329,7 @@ def compare(args) -> None:
                 checked += b - a
         fid[s] = {"max_abs": worst_abs, "max_rel_rownorm": worst_rel, "rows_checked": checked}
     report["fidelity_vs_hf_fp32"] = fid
-    report["problems"] = run_problems(graph, report, fid, args.max_rel)
+    report["problems"] = run_problems(graph, report, fid, args.max_rel, args.identical)
     report["ok"] = not report["problems"]
     Path(args.report).write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, indent=1, default=str))
@@ -340,10 +341,12 @@ def compare(args) -> None:
 MEAN_MAX_REL = 0.02
 
 
-def run_problems(graph: dict, report: dict, fid: dict, max_rel: float | None) -> list[str]:
+def run_problems(graph: dict, report: dict, fid: dict, max_rel: float | None,
+                 identical: list[str] = ()) -> list[str]:
     """What makes a ``compare`` fail: rows missing, a layer subset's rows not those of the full
-    run, a reduction off its reference, another run with no row to compare, and (with
-    ``max_rel``, for a dense model: a MoE's routing flips amplify bf16 rounding) rows far from HF."""
+    run, a reduction off its reference, another run with no row to compare, a run named in
+    ``identical`` whose rows are not all bit-identical to this one's, and (with ``max_rel``, for
+    a dense model: a MoE's routing flips amplify bf16 rounding) rows far from HF."""
     problems = []
     for s, f in fid.items():
         if f["rows_checked"] == 0:
@@ -364,6 +367,15 @@ def run_problems(graph: dict, report: dict, fid: dict, max_rel: float | None) ->
             for s, m in runs.items():
                 if m.get("error") or not m.get("rows_compared"):
                     problems.append(f"{key} {s}: {m.get('error') or 'no row compared'}")
+                elif key[len("run_vs_"):] in identical and not (
+                        m["bit_identical"] and m["rows_compared"] == m["rows_total"]):
+                    problems.append(f"{key} {s}: not bit-identical ({m['rows_compared']} of "
+                                    f"{m['rows_total']} rows compared, max abs diff "
+                                    f"{m['max_abs_diff']})")
+    for name in identical:
+        if not isinstance(report.get(f"run_vs_{name}"), dict):
+            problems.append(f"--identical {name}: no such --against run "
+                            f"({report.get(f'run_vs_{name}', 'not given')})")
     return problems
 
 
@@ -552,6 +564,9 @@ def main() -> None:
                    help="another run of the same prompts to compare rows with (repeatable)")
     c.add_argument("--model-dir", required=True)
     c.add_argument("--report", required=True)
+    c.add_argument("--identical", action="append", default=[], metavar="NAME",
+                   help="fail unless the --against run NAME has every row bit-identical "
+                        "(both runs queue their requests before the first step)")
     c.add_argument("--max-rel", type=float, default=None,
                    help="fail when a row is further from HF fp32 than this (relative to its norm)")
     d = sub.add_parser("dtype-drift", help="HF bf16 vs HF fp32, per layer (CPU is enough)")
