@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | first-steps | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -277,6 +277,19 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     for s in prefill0 prefill1 decode0 decode1; do
       echo "== $s" >>"$OUT/first_steps.log"
       timeout 120 python3 benchmarks/step_host.py --first-steps ${2:-40} --device cuda --busy-ms 20 --cprofile $s >>"$OUT/first_steps.log" 2>&1
+    done
+    ;;
+  fused-store)
+    # Whether capture could add no kernel (benchmarks/fused_store_probe.py): the 1B with each
+    # layer's residual stream stored by a traced index_put, which Inductor may fuse into the
+    # next layer's add + RMSNorm, against the same engine without it; two of each, alternated,
+    # each a fresh process (about 6 minutes). Compare tok/s, and kernel_launches (equal where
+    # every store fused).
+    # (Inductor's generated code goes to stderr, kept in /tmp; its last lines come back.)
+    for m in none fused none fused; do
+      timeout 150 python3 benchmarks/fused_store_probe.py --store $m --model ${2:-1b} 2>/tmp/fused_store_$m.err \
+        | tee -a "$OUT/fused_store.log" | grep -E "^\{" | cut -c1-400
+      tail -40 /tmp/fused_store_$m.err >"$OUT/fused_store_$m.err.tail"
     done
     ;;
   eager-launch)

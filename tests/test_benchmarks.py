@@ -2565,3 +2565,45 @@ def test_profile_step_reads_each_labelled_engine_iteration_apart():
         assert len(it["longest"]) <= 3 and it["device_ms"] == 0.0
     assert first[0]["longest"][0][0] == "aten::mm"
     assert first[0]["ms"] > max(first[1]["ms"], first[2]["ms"])
+
+
+# ---- fused_store_probe: what Inductor generates for a traced store ------------------------------
+
+def test_fused_store_probe_reads_launches_and_stores_from_inductors_code():
+    """The probe's reading of Inductor's generated code, on Inductor's own (CPU) output: a
+    residual add + RMSNorm compiled with and without a traced store of the sum into a ring of
+    its own makes the same launches, and only the store's names ``index_put``."""
+    import logging
+
+    import torch
+
+    from benchmarks.fused_store_probe import GeneratedCode
+
+    h, r = torch.randn(6, 32), torch.randn(6, 32)
+    ring, rows = torch.zeros(16, 32), torch.tensor([3, 15, 15, 0, 15, 7])
+
+    def norm(h, r):
+        x = h + r
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def norm_storing(h, r):
+        ring.index_put_((rows,), h + r)
+        return norm(h, r)
+
+    read = {}
+    logger = logging.getLogger("torch._inductor")
+    for name, fn in (("plain", norm), ("storing", norm_storing)):
+        code = GeneratedCode()
+        torch._dynamo.reset()
+        torch._logging.set_logs(output_code=True)
+        logger.addHandler(code)
+        try:
+            out = torch.compile(fn, fullgraph=True)(h, r)
+        finally:
+            logger.removeHandler(code)
+            torch._logging.set_logs()
+        assert torch.allclose(out, norm(h, r), atol=1e-5)
+        read[name] = (code.launches, sorted(n for n in code.names if "index_put" in n))
+    assert read["plain"][0] >= 1 and read["storing"][0] == read["plain"][0]
+    assert read["plain"][1] == [] and read["storing"][1]
+    assert torch.equal(ring[[3, 0, 7]], (h + r)[[0, 3, 5]])
