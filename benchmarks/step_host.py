@@ -81,7 +81,6 @@ def capture_session(layers: int, width: int, requests: int, reduce: str,
 
 def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
             device: torch.device, evict_mb: int = 0) -> dict:
-    capacity = requests * PROMPT
     state, session = capture_session(layers, width, requests, reduce, device)
     req_ids = [f"req-{i}" for i in range(requests)]
     params = types.SimpleNamespace(extra_args={}, n=1)
@@ -103,7 +102,7 @@ def measure(layers: int, width: int, requests: int, steps: int, reduce: str,
         session.end_step()
         step_us.append((time.perf_counter() - t0) * 1e6)
 
-    step(prefill, 0, capacity)
+    step(prefill, 0, state.capacity)
     uploads, moved = state.plan_uploads, state.plan_steps
     step_us.clear()
     for k in range(steps):
