@@ -11,7 +11,9 @@ which can fuse it into the next layer's add + RMSNorm kernel, where that sum is 
 This patches vLLM's ``LlamaDecoderLayer`` in this process (no vllm_capture plugin): with
 ``--store fused`` each layer writes ``hidden + residual`` of every token of the step into a
 static ring of its own, token t to row ``t % ROWS`` (every row: more stores than a last-token
-capture makes); ``--store none`` leaves the model as it is. Each layer's ring is a tensor of its
+capture makes); ``--store none`` leaves the model as it is; ``--store op`` is vllm-capture as it ships, the
+last token of every layer's hidden states (the benchmark's hidden-last) through its capture op,
+fetched after each timed generate (outside its time). Each layer's ring is a tensor of its
 own: a store into a view of one shared ring was functionalized into a copy of the whole view
 every forward (the CPU VM, session 52). The engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with vLLM's compile cache off (a cache made without the
@@ -21,12 +23,13 @@ workload (64 prompts of 32 tokens, 256 new tokens each).
     python3 benchmarks/fused_store_probe.py --store fused [--model 1b --reps 6]
 
 Prints one JSON line: tok/s of each timed generate and their median; ``kernel_launches``, the
-launches in every module Inductor generated (kernels and library calls, summed: equal in both
-modes where every store fused into a kernel that runs anyway); the kernels whose names say they
+launches in every module Inductor generated (kernels, library calls and custom ops, summed:
+equal to none's where every store fused into a kernel that runs anyway); the kernels whose names say they
 store (``index_put``; Inductor shortens long names, so not every one says it); whether every
-ring holds rows. On the CPU VM (tiny Llama, session 52): 18 launches in both modes, the stores
-in the next layer's add + RMSNorm kernels (the last layer's in the final norm's). Alternate the
-two modes in fresh processes on one host to compare their speed.
+ring holds rows (op: whether every request's every layer came back). On the CPU VM (tiny
+Llama, session 52): 18 launches with no store and with the fused ones, the stores in the next
+layer's add + RMSNorm kernels (the last layer's in the final norm's). Alternate the modes in
+fresh processes on one host to compare their speed.
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ if str(ROOT) not in sys.path:
 
 ROWS = 2048  # ring rows a layer; a step's token t goes to row t % ROWS
 KERNEL_NAME = re.compile(r"\b((?:triton|cpp)_\w*fused\w*)")
-# A launch in a generated module's call(): an Inductor kernel, or a library call (a matmul).
-LAUNCH = re.compile(r"^\s+(?:(?:triton|cpp)_\w+(?:\.run)?|extern_kernels\.\w+)\(", re.M)
+# A launch in a generated module's call(): an Inductor kernel, a library call (a matmul), or a
+# custom op Inductor leaves opaque (the capture op among them).
+LAUNCH = re.compile(
+    r"^\s+(?:(?:triton|cpp)_\w+(?:\.run)?|extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(",
+    re.M)
 
 
 class StoredRows:
@@ -102,9 +108,18 @@ class GeneratedCode(logging.Handler):
         self.launches += len(LAUNCH.findall(text))
 
 
+def fetch_last_rows(llm, layers: int) -> int:
+    """Fetch the capture's rows (``--store op``) and return the fewest requests a layer holds."""
+    from benchmarks import scenarios as S
+    from vllm_capture import api
+
+    tensors, _, _ = api.fetch_captured(llm, S.HIDDEN, clear=True)
+    return min(len(tensors.get(layer, ())) for layer in range(layers))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--store", choices=("fused", "none"), required=True)
+    p.add_argument("--store", choices=("fused", "none", "op"), required=True)
     p.add_argument("--model", default="1b", help="a benchmark shape (1b, 8b) or tiny")
     p.add_argument("--reps", type=int, default=6, help="timed generates after one warm-up")
     p.add_argument("--prompts", type=int, default=64)
@@ -146,23 +161,36 @@ def main() -> int:
     torch._logging.set_logs(output_code=True)
     logging.getLogger("torch._inductor").addHandler(code)
 
-    llm = LLM(str(folder), **kwargs)
+    if args.store == "op":
+        import vllm_capture
+        from vllm_capture import api
+
+        if args.model != "tiny":
+            kwargs["capture_buffer_bytes"] = S.ring_buffer_bytes(S.MODELS[args.model], max_tokens)
+        llm = vllm_capture.LLM(str(folder), **kwargs)
+        api.start_capture(llm, S.HIDDEN, reduce="last")
+    else:
+        llm = LLM(str(folder), **kwargs)
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(32)]}
                for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
+    fetched = fetch_last_rows(llm, layers) if args.store == "op" else None
     tok_s = []
     for _ in range(args.reps):
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         tok_s.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
+        if args.store == "op":
+            fetched = fetch_last_rows(llm, layers)
     storing = sorted(n for n in code.names if "index_put" in n)
     print(json.dumps({
         "store": args.store, "model": args.model, "device": "cuda" if cuda else "cpu",
         "tok_s": [round(t) for t in tok_s], "tok_s_median": round(statistics.median(tok_s)),
         "kernel_launches": code.launches, "storing_kernels": storing,
         "layers_patched": None if stored is None else stored.layers_built,
-        "rings_hold_rows": (None if stored is None
+        "rings_hold_rows": (fetched == args.prompts if args.store == "op"
+                            else None if stored is None
                             else all(bool(r.abs().sum() > 0) for r in stored.rings)),
     }))
     return 0
