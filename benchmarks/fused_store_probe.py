@@ -22,7 +22,9 @@ workload (64 prompts of 32 tokens, 256 new tokens each).
 
     python3 benchmarks/fused_store_probe.py --store fused [--model 1b --reps 6]
 
-Prints one JSON line: tok/s of each timed generate and their median; ``kernel_launches``, the
+Prints one JSON line: tok/s of each timed generate and their median; the engine's start-up
+seconds and ``compiled_modules``, the modules Inductor generated (more than none's where the
+stores keep vLLM from reusing one compiled piece across layers); ``kernel_launches``, the
 launches in every module Inductor generated (kernels, library calls and custom ops, summed:
 equal to none's where every store fused into a kernel that runs anyway); the kernels whose names say they
 store (``index_put``; Inductor shortens long names, so not every one says it); whether every
@@ -101,11 +103,13 @@ class GeneratedCode(logging.Handler):
         super().__init__()
         self.names: set[str] = set()
         self.launches = 0
+        self.modules = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         self.names.update(KERNEL_NAME.findall(text))
         self.launches += len(LAUNCH.findall(text))
+        self.modules += "def call(" in text
 
 
 def fetch_last_rows(llm, layers: int) -> int:
@@ -161,6 +165,7 @@ def main() -> int:
     torch._logging.set_logs(output_code=True)
     logging.getLogger("torch._inductor").addHandler(code)
 
+    started = time.perf_counter()
     if args.store == "op":
         import vllm_capture
         from vllm_capture import api
@@ -174,6 +179,7 @@ def main() -> int:
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(32)]}
                for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    init_s = time.perf_counter() - started
     llm.generate(prompts, params, use_tqdm=False)
     fetched = fetch_last_rows(llm, layers) if args.store == "op" else None
     tok_s = []
@@ -188,6 +194,7 @@ def main() -> int:
         "store": args.store, "model": args.model, "device": "cuda" if cuda else "cpu",
         "tok_s": [round(t) for t in tok_s], "tok_s_median": round(statistics.median(tok_s)),
         "kernel_launches": code.launches, "storing_kernels": storing,
+        "compiled_modules": code.modules, "init_s": round(init_s, 1),
         "layers_patched": None if stored is None else stored.layers_built,
         "rings_hold_rows": (fetched == args.prompts if args.store == "op"
                             else None if stored is None

@@ -2604,6 +2604,7 @@ def test_fused_store_probe_reads_launches_and_stores_from_inductors_code():
             torch._logging.set_logs()
         assert torch.allclose(out, norm(h, r), atol=1e-5)
         read[name] = (code.launches, sorted(n for n in code.names if "index_put" in n))
+        assert code.modules == 1
     assert read["plain"][0] >= 1 and read["storing"][0] == read["plain"][0]
     assert read["plain"][1] == [] and read["storing"][1]
     assert torch.equal(ring[[3, 0, 7]], (h + r)[[0, 3, 5]])
