@@ -11,11 +11,11 @@ which can fuse it into the next layer's add + RMSNorm kernel, where that sum is 
 This patches vLLM's ``LlamaDecoderLayer`` in this process (no vllm_capture plugin): with
 ``--store fused`` each layer writes ``hidden + residual`` of every token of the step into a
 static ring of its own, token t to row ``t % ROWS`` (every row: more stores than a last-token
-capture makes); ``--store none`` leaves the model as it is; ``--store op`` is vllm-capture as it ships, the
-last token of every layer's hidden states (the benchmark's hidden-last) through its capture op,
-fetched after each timed generate (outside its time). Each layer's ring is a tensor of its
-own: a store into a view of one shared ring was functionalized into a copy of the whole view
-every forward (the CPU VM, session 52). The engine runs in this process
+capture makes); ``--store none`` leaves the model as it is; ``--store op`` is vllm-capture as it
+ships, the last token of every layer's hidden states (the benchmark's hidden-last) through its
+capture op, fetched after each timed generate (outside its time). Each layer's ring is a
+tensor of its own: a store into a view of one shared ring was functionalized into a copy of the
+whole view every forward (the CPU VM, session 52). The engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with vLLM's compile cache off (a cache made without the
 store would be loaded silently), graphs as vLLM's defaults. It times the quick suite's decode
 workload (64 prompts of 32 tokens, 256 new tokens each).
@@ -25,13 +25,17 @@ workload (64 prompts of 32 tokens, 256 new tokens each).
 Prints one JSON line: tok/s of each timed generate and their median; the engine's start-up
 seconds and ``compiled_modules``, the modules Inductor generated (more than none's where the
 stores keep vLLM from reusing one compiled piece across layers); ``kernel_launches``, the
-launches in every module Inductor generated (kernels, library calls and custom ops, summed:
-equal to none's where every store fused into a kernel that runs anyway); the kernels whose names say they
-store (``index_put``; Inductor shortens long names, so not every one says it); whether every
-ring holds rows (op: whether every request's every layer came back). On the CPU VM (tiny
-Llama, session 52): 18 launches with no store and with the fused ones, the stores in the next
-layer's add + RMSNorm kernels (the last layer's in the final norm's). Alternate the modes in
-fresh processes on one host to compare their speed.
+launch sites in every module Inductor generated (kernels, library calls and custom ops, summed;
+a piece the layers share counts once: equal to none's where every store fused into a kernel
+that runs anyway); the kernels whose names say they store (``index_put``; Inductor shortens
+long names, so not every one says it); whether every ring holds rows (op: whether every
+request's every layer came back).
+
+On the CPU VM (tiny Llama, session 52): 18 launches with no store and with the fused ones, the
+stores in the next layer's add + RMSNorm kernels (the last layer's in the final norm's). On an
+H100 (session 53, the 1B): 30 launch sites and 3 modules with and without the stores, all in
+one kernel (``triton_red_fused_add_fused_add_rms_norm_index_put_slice_2``), tok/s level with
+none's. Alternate the modes in fresh processes on one host to compare their speed.
 """
 
 from __future__ import annotations
@@ -176,10 +180,10 @@ def main() -> int:
         api.start_capture(llm, S.HIDDEN, reduce="last")
     else:
         llm = LLM(str(folder), **kwargs)
+    init_s = time.perf_counter() - started
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(32)]}
                for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    init_s = time.perf_counter() - started
     llm.generate(prompts, params, use_tqdm=False)
     fetched = fetch_last_rows(llm, layers) if args.store == "op" else None
     tok_s = []
