@@ -11,7 +11,9 @@ which can fuse it into the next layer's add + RMSNorm kernel, where that sum is 
 This patches vLLM's ``LlamaDecoderLayer`` in this process (no vllm_capture plugin): with
 ``--store fused`` each layer writes ``hidden + residual`` of every token of the step into a
 static ring of its own, token t to row ``t % ROWS`` (every row: more stores than a last-token
-capture makes); ``--store none`` leaves the model as it is; ``--store op`` is vllm-capture as it
+capture makes); ``--store shared`` the same into one fp32 tensor of every layer's rows, each
+layer from its own first row (a 0-dim buffer), as capture's accumulators are laid out;
+``--store none`` leaves the model as it is; ``--store op`` is vllm-capture as it
 ships, the last token of every layer's hidden states (the benchmark's hidden-last) through its
 capture op, fetched after each timed generate (outside its time). Each layer's ring is a
 tensor of its own: a store into a view of one shared ring was functionalized into a copy of the
@@ -29,18 +31,25 @@ launch sites in every module Inductor generated (kernels, library calls and cust
 a piece the layers share counts once: equal to none's where every store fused into a kernel
 that runs anyway); the kernels whose names say they store (``index_put``; Inductor shortens
 long names, so not every one says it); whether every ring holds rows (op: whether every
-request's every layer came back).
+request's every layer came back); ``tokens_sha``, a hash of the first generate's tokens (greedy:
+the same in every mode where the stores leave the model's arithmetic alone).
 
 On the CPU VM (tiny Llama, session 52): 18 launches with no store and with the fused ones, the
 stores in the next layer's add + RMSNorm kernels (the last layer's in the final norm's). On an
 H100 (session 53, the 1B): 30 launch sites and 3 modules with and without the stores, all in
 one kernel (``triton_red_fused_add_fused_add_rms_norm_index_put_slice_2``), tok/s level with
-none's. Alternate the modes in fresh processes on one host to compare their speed.
+none's. ``shared`` on the CPU VM (session 53) miscompiled: the generated tokens changed (tiny
+Llama, 8 prompts: ``tokens_sha`` differs from none's and fused's, which agree), and in one run
+the last layer's rows never reached the tensor; a storing kernel read the last layer's o_proj
+output before the matmul that writes it. Right with ``enforce_eager``, and under plain
+``torch.compile`` of a model that stores the same way. Alternate the modes in fresh processes
+on one host to compare their speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -64,20 +73,33 @@ LAUNCH = re.compile(
 
 
 class StoredRows:
-    """The static rings the patched layers store into, [ROWS, width] each in the model's
-    dtype, and each token's row, made once before the engine compiles the model."""
+    """The static rings the patched layers store into, and each token's row, made once before
+    the engine compiles the model: a [ROWS, width] tensor a layer in the model's dtype, or
+    (``shared``) one fp32 tensor of every layer's ROWS + 1 rows, as a capture's accumulators
+    would be (the extra row a sink for tokens a step does not capture)."""
 
-    def __init__(self, layers: int, width: int, max_tokens: int, dtype, device) -> None:
+    def __init__(self, layers: int, width: int, max_tokens: int, dtype, device,
+                 shared: bool = False) -> None:
         import torch
 
-        self.rings = [torch.zeros(ROWS, width, dtype=dtype, device=device) for _ in range(layers)]
+        self.device = device
         self.row_of_token = torch.arange(max_tokens, device=device) % ROWS
         self.layers_built = 0
+        self.base = None
+        if shared:
+            self.base = torch.zeros(layers * (ROWS + 1), width, dtype=torch.float32, device=device)
+            self.rings = list(self.base.view(layers, ROWS + 1, width)[:, :ROWS])
+        else:
+            self.rings = [torch.zeros(ROWS, width, dtype=dtype, device=device)
+                          for _ in range(layers)]
 
 
 def patch_llama(stored: StoredRows) -> None:
     """Each ``LlamaDecoderLayer`` stores its residual stream into its ring as it returns.
-    Its layer number is set as it is built, so the traced forward reads a constant."""
+    Its layer number is set as it is built, so the traced forward reads a constant; with a
+    shared tensor, the layer's first row is a 0-dim buffer of the layer instead (an input of the
+    compiled piece, as the capture op's site tensor is), so the layers can share one piece."""
+    import torch
     from vllm.model_executor.models import llama
     from vllm.model_executor.models.utils import extract_layer_index
 
@@ -86,13 +108,20 @@ def patch_llama(stored: StoredRows) -> None:
     def init_numbered(self, *args, prefix: str = "", **kwargs):
         init(self, *args, prefix=prefix, **kwargs)
         self.probe_layer = extract_layer_index(prefix)
+        if stored.base is not None:
+            self.register_buffer("probe_offset", torch.tensor(
+                self.probe_layer * (ROWS + 1), device=stored.device), persistent=False)
         stored.layers_built += 1
 
     def forward_storing(self, positions, hidden_states, residual, **kwargs):
         hidden_states, residual = forward(self, positions, hidden_states, residual, **kwargs)
-        tokens = hidden_states.shape[0]
-        ring = stored.rings[self.probe_layer]
-        ring.index_put_((stored.row_of_token[:tokens],), (hidden_states + residual).to(ring.dtype))
+        rows = stored.row_of_token[:hidden_states.shape[0]]
+        if stored.base is not None:
+            stored.base.index_put_((self.probe_offset + rows,),
+                                   (hidden_states + residual).float())
+        else:
+            ring = stored.rings[self.probe_layer]
+            ring.index_put_((rows,), (hidden_states + residual).to(ring.dtype))
         return hidden_states, residual
 
     llama.LlamaDecoderLayer.__init__ = init_numbered
@@ -127,7 +156,7 @@ def fetch_last_rows(llm, layers: int) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--store", choices=("fused", "none", "op"), required=True)
+    p.add_argument("--store", choices=("fused", "shared", "none", "op"), required=True)
     p.add_argument("--model", default="1b", help="a benchmark shape (1b, 8b) or tiny")
     p.add_argument("--reps", type=int, default=6, help="timed generates after one warm-up")
     p.add_argument("--prompts", type=int, default=64)
@@ -162,8 +191,9 @@ def main() -> int:
     if cuda:
         kwargs["gpu_memory_utilization"] = 0.5
     stored = None
-    if args.store == "fused":
-        stored = StoredRows(layers, width, max_tokens, dtype, "cuda" if cuda else "cpu")
+    if args.store in ("fused", "shared"):
+        stored = StoredRows(layers, width, max_tokens, dtype, "cuda" if cuda else "cpu",
+                            shared=args.store == "shared")
         patch_llama(stored)
     code = GeneratedCode()
     torch._logging.set_logs(output_code=True)
@@ -184,7 +214,9 @@ def main() -> int:
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(32)]}
                for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    tokens_sha = hashlib.sha256(json.dumps(
+        [list(o.outputs[0].token_ids) for o in first]).encode()).hexdigest()[:16]
     fetched = fetch_last_rows(llm, layers) if args.store == "op" else None
     tok_s = []
     for _ in range(args.reps):
@@ -198,7 +230,7 @@ def main() -> int:
         "store": args.store, "model": args.model, "device": "cuda" if cuda else "cpu",
         "tok_s": [round(t) for t in tok_s], "tok_s_median": round(statistics.median(tok_s)),
         "kernel_launches": code.launches, "storing_kernels": storing,
-        "compiled_modules": code.modules, "init_s": round(init_s, 1),
+        "compiled_modules": code.modules, "init_s": round(init_s, 1), "tokens_sha": tokens_sha,
         "layers_patched": None if stored is None else stored.layers_built,
         "rings_hold_rows": (fetched == args.prompts if args.store == "op"
                             else None if stored is None

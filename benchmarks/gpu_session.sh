@@ -282,12 +282,15 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
   fused-store)
     # Whether capture could add no kernel (benchmarks/fused_store_probe.py): the 1B with each
     # layer's residual stream stored by a traced index_put, which Inductor may fuse into the
-    # next layer's add + RMSNorm, against the same engine without it and against the capture op
-    # (hidden-last); two of each, alternated, each a fresh process (about 5 minutes on an H100,
-    # session 53). Compare tok/s, and kernel_launches and compiled_modules (none's where every
-    # store fused and the layers still share one compiled piece).
+    # next layer's add + RMSNorm (into a ring a layer, or into one shared fp32 tensor as capture's
+    # accumulators are laid out), against the same engine without it and against the capture op
+    # (hidden-last); two of each, alternated, each a fresh process (about 7 minutes on an H100;
+    # session 53's six took 5). Compare tok/s, kernel_launches and compiled_modules (none's where
+    # every store fused and the layers still share one compiled piece), rings_hold_rows, and
+    # tokens_sha (one value for every mode, else a store changed the model's arithmetic: the
+    # shared tensor did on the CPU VM).
     # (Inductor's generated code goes to stderr, kept in /tmp; its last lines come back.)
-    for m in none fused op none fused op; do
+    for m in none fused shared op none fused shared op; do
       timeout 140 python3 benchmarks/fused_store_probe.py --store $m --model ${2:-1b} 2>/tmp/fused_store_$m.err \
         | tee -a "$OUT/fused_store.log" | grep -E "^\{" | cut -c1-400
       tail -40 /tmp/fused_store_$m.err >"$OUT/fused_store_$m.err.tail"
