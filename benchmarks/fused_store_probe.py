@@ -205,7 +205,7 @@ def main() -> int:
         from vllm_capture import api
 
         if args.model != "tiny":
-            kwargs["capture_buffer_bytes"] = S.ring_buffer_bytes(S.MODELS[args.model], max_tokens)
+            kwargs["capture_buffer_bytes"] = S.ring_buffer_bytes(shape, max_tokens)
         llm = vllm_capture.LLM(str(folder), **kwargs)
         api.start_capture(llm, S.HIDDEN, reduce="last")
     else:
