@@ -2577,7 +2577,7 @@ def test_fused_store_probe_reads_launches_and_stores_from_inductors_code():
 
     import torch
 
-    from benchmarks.fused_store_probe import GeneratedCode
+    from benchmarks.fused_store_probe import LAUNCH, GeneratedCode
 
     h, r = torch.randn(6, 32), torch.randn(6, 32)
     ring, rows = torch.zeros(16, 32), torch.tensor([3, 15, 15, 0, 15, 7])
@@ -2609,7 +2609,5 @@ def test_fused_store_probe_reads_launches_and_stores_from_inductors_code():
     assert read["plain"][1] == [] and read["storing"][1]
     assert torch.equal(ring[[3, 0, 7]], (h + r)[[0, 3, 5]])
     # A custom op Inductor leaves opaque (the capture op) is a launch too; its definition is not.
-    from benchmarks.fused_store_probe import LAUNCH
-
     call = "    torch.ops.vllm_capture.capture.default(buf3, None, arg7_1)\n"
     assert len(LAUNCH.findall(call + "def call(args):\n")) == 1
