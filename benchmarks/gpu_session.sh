@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | last-rows | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -67,6 +67,24 @@ case "$SET" in
     # and were up to one bf16 step apart (sessions 15, 49, 50 and 52).
     run llama_v1_graph --model llama --mode graph --v1
     compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt --identical v2_graph
+    ;;
+  last-rows)
+    # Last-token hidden states stored by traced torch ops (vllm_capture/capture_graph/
+    # last_rows.py), the capture kernel left at one layer: the tiny Llama's last and mean
+    # reductions against each run's all-row capture (last bit for bit) on the V2 runner, then
+    # the V1 runner (--identical: its rows equal V2's); then the 1B in the fused-store probe,
+    # vanilla (none) against capture's hidden-last (op): tokens_sha (the stores leave the
+    # model's arithmetic alone), compiled_modules (the layers still share one piece) and the
+    # launch sites (one capture op in the shared piece). About 5 minutes.
+    run llama_graph --model llama --mode graph
+    compare llama_graph llama --max-rel 0.1
+    run llama_v1_graph --model llama --mode graph --v1
+    compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt --identical v2_graph
+    for m in none op; do
+      timeout 140 python3 benchmarks/fused_store_probe.py --store $m --model 1b 2>/tmp/fused_store_$m.err \
+        | tee -a "$OUT/fused_store.log" | grep -E "^\{" | cut -c1-400
+      tail -40 /tmp/fused_store_$m.err >"$OUT/fused_store_$m.err.tail"
+    done
     ;;
   aligned)
     # Ring and slot counts whose rows are not 16-byte multiples (251 tokens a step, 50 slots):

@@ -15,8 +15,8 @@ def _vllm_config(max_num_batched_tokens: int, max_num_seqs: int = 256):
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
 
 
-def _targets(widths, dtype=torch.bfloat16):
-    return [SimpleNamespace(width=w, dtype=dtype) for w in widths]
+def _targets(widths, dtype=torch.bfloat16, component="attention_heads"):
+    return [SimpleNamespace(width=w, dtype=dtype, component=component) for w in widths]
 
 
 def test_default_buffer_holds_every_row_of_the_largest_step():
@@ -40,10 +40,12 @@ def test_byte_budget_sets_rows_per_step_and_warns_when_a_step_does_not_fit(caplo
 def test_rings_that_do_not_fit_are_sized_in_the_error_with_what_caps_them():
     # An 8B's hidden states and attention heads (64 sites 4,096 wide, bf16) at vLLM's default
     # 16,384 tokens a step on an H100 or H200: two slots of (8,192 + 12) bytes a row each.
-    # Its 1,024 reduction slots (vLLM's default max_num_seqs there): 64 x (16,384 + 16) bytes each.
-    message = _buffers_do_not_fit(EngineCaptureConfig(), _targets([4096] * 64), 16384, 1024)
+    # Its 1,024 reduction slots (vLLM's default max_num_seqs there): 64 x (16,384 + 16) bytes
+    # each, and the hidden states' 32 layers 8,192 bytes more each (their last rows in bf16).
+    targets = _targets([4096] * 32, component="hidden_states") + _targets([4096] * 32)
+    message = _buffers_do_not_fit(EngineCaptureConfig(), targets, 16384, 1024)
     assert "16.0 GiB (16384 rows a step at each of 64 call sites" in message
-    assert "1024 reduction slots, 1.0 GiB" in message
+    assert "1024 reduction slots, 1.3 GiB" in message
     assert all(name in message for name in ("capture_buffer_bytes", "capture_reduce_slots",
                                             "capture_components"))
 

@@ -1,11 +1,14 @@
 """Where capture finds its call sites in a model (engine/instrument.py's find_targets), on stand-in
 modules shaped like vLLM's: the attributes it reads are the ones vLLM's classes carry."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from vllm_capture.engine.instrument import SITE_BUFFER, _captured_subclass, find_targets
+from vllm_capture.capture_graph.state import CaptureGraphState
+from vllm_capture.engine.instrument import (LAST_DEST_BUFFER, LAST_ROWS_BUFFER, SITE_BUFFER, Target,
+                                            find_targets, instrument)
 from vllm_capture.kernels import ops
 from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
 
@@ -175,10 +178,11 @@ def op_calls(monkeypatch):
     return calls
 
 
-def _captured_layer():
+def _captured_layer(state: CaptureGraphState | None = None, width: int = 4):
+    state = state or CaptureGraphState(device=torch.device("cpu"), capacity=8, acc_slots=4)
     layer = _ReturnsTuple()
-    layer.register_buffer(SITE_BUFFER, torch.zeros(2, dtype=torch.int32), persistent=False)
-    layer.__class__ = _captured_subclass(_ReturnsTuple, HIDDEN_STATES)
+    instrument([Target(HIDDEN_STATES, 0, "model.layers.0", layer, width, torch.bfloat16,
+                       {"width": width})], state)
     return layer
 
 
@@ -202,3 +206,30 @@ def test_hidden_states_of_another_shape_are_refused_with_the_component_to_leave_
     with pytest.raises(ValueError, match=r"shaped \(4, 3, 8\).*capture_components"):
         _captured_layer()(torch.randn(4, 3, 8))
     assert op_calls == []
+
+
+def test_an_eager_layer_stores_its_last_rows_only_while_a_stream_reads_them(op_calls):
+    """Eager, the hook stores each token's residual stream at its ``dest`` row only while a
+    ``last`` stream is on (traced, it always stores: Dynamo sees ``is_compiling()``)."""
+    state = CaptureGraphState(device=torch.device("cpu"), capacity=8, acc_slots=4)
+    layer = _captured_layer(state, width=3)
+    state.allocate()
+    (site,) = state.sites_of(HIDDEN_STATES)
+    assert getattr(layer, SITE_BUFFER) is site.counter
+    assert getattr(layer, LAST_ROWS_BUFFER) is site.last_rows
+    assert getattr(layer, LAST_DEST_BUFFER) is site.last_row_plan.dest
+    hidden = torch.randn(5, 3, dtype=torch.bfloat16)
+    residual = torch.randn(5, 3, dtype=torch.bfloat16)
+    segments = (np.array([0, 2]), np.array([2, 3]), np.array([3, 1]))  # starts, counts, slots
+
+    site.last_row_plan.point(*segments)  # a plan, but no stream reads the rows
+    layer((hidden, residual))
+    assert not site.last_rows.any()
+
+    state.set_enabled(HIDDEN_STATES, None, last=True)
+    site.last_row_plan.point(*segments)
+    layer((hidden, residual))
+    expected = (hidden.float() + residual.float()).to(torch.bfloat16)
+    assert torch.equal(site.last_rows[3], expected[1])
+    assert torch.equal(site.last_rows[1], expected[4])
+    assert not site.last_rows[[0, 2]].any()

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 import vllm_capture.session.config as config_module
 from tests.select_reference import selected as reference_selected
 from tests.test_selection_spec import select_specs
+from vllm_capture.capture_graph.last_rows import store_last_rows
 from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.kernels import layout as L
 from vllm_capture.selection import SelectSpec, StepBuffers
@@ -148,11 +149,12 @@ class Engine:
     def __init__(self, capacity=MAX_ROWS, acc_slots=8, ring_slots=2, ids_dtype=torch.int32,
                  host_tokens_rng: random.Random | None = None, rank0_only=(), runner=None):
         self.state = CaptureGraphState(device=torch.device("cpu"), capacity=capacity,
-                                       ring_slots=ring_slots, acc_slots=acc_slots)
+                                       ring_slots=ring_slots, acc_slots=acc_slots,
+                                       max_tokens=MAX_ROWS)
         self.counters = []
         for component, layer, width, dtype in SITES:
             counter = self.state.add_site(component, layer, f"model.layers.{layer}.{component}",
-                                          width, dtype)
+                                          width, dtype, last_rows=component == HS)
             self.counters.append((component, layer, counter))
         self.state.allocate()
         self.input_ids = torch.full((MAX_ROWS,), 3, dtype=ids_dtype)
@@ -301,6 +303,10 @@ class Engine:
                 x.copy_(torch.from_numpy(true))
                 res = None
             self.state.handle(x, res, counter)
+            # The eager hook's last-row store (instrument._captured_subclass).
+            site = self.state.sites[counter.data_ptr()]
+            if site.last_row_plan is not None and site.last_row_plan.active:
+                store_last_rows(site.last_rows, site.last_row_plan.dest, x, res)
             self.handle_calls += 1
 
     # -- client side -------------------------------------------------------------------------------
@@ -1950,6 +1956,31 @@ def test_eager_counters_and_idle_handle():
     engine.step([(Req(num=2, prompt=[1, 2], gen=[]), 2)])
     assert [int(s.counter[L.SITE_EXECUTIONS]) for s in state.sites.values()] == counts
     assert session.fetch_stream(HS) == {}
+
+
+def test_a_last_stream_of_hidden_states_launches_the_kernel_at_its_first_layer_only():
+    """The layers store their last rows themselves; the kernel acts at the stream's first layer
+    only, for the labels and counts every layer's rows are read with. A mean needs it at every
+    layer, and so does a stream of another component."""
+    engine = Engine(acc_slots=2)
+    ref = RefStream(HS, 2, reduce="last", layers=[1, 2])
+    engine.refs = [ref]
+    engine.session.enable_stream(HS, reduce="last", layers=[1, 2])
+    engine.session.enable_stream(AH, reduce="last")
+    a = Req(num=0, prompt=[1, 2, 3], gen=[4, 4])
+    engine.step([(a, 3)])
+    engine.step([(a, 1)])
+    assert [(s.launches, s.eager_executions) for s in map(engine.site, [HS] * 3, (0, 1, 2))] == [
+        (False, 0), (True, 2), (False, 0)]
+    assert [s.eager_executions for s in map(engine.site, [AH] * 2, (0, 1))] == [2, 2]
+    engine.step([(a, 1)])
+    assert a.done
+    engine.step([])  # its finish reaches the worker
+    check_reduced(ref, decode_rows(*engine.fetch(HS)), [a.rid])
+
+    engine.session.enable_stream(HS, reduce="mean", layers=[1, 2])
+    assert [s.launches for s in map(engine.site, [HS] * 3, (0, 1, 2))] == [False, True, True]
+    assert not engine.state.last_row_plans[HS].active
 
 
 def test_an_eager_step_that_selects_no_row_launches_nothing():

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from vllm_capture.capture_graph import graph_nodes
+from vllm_capture.capture_graph.last_rows import LastRowPlan
+from vllm_capture.capture_graph.uploads import upload
 from vllm_capture.kernels import compile_variants, launch_capture, warmup
 from vllm_capture.kernels import layout as L
 
@@ -48,8 +50,13 @@ class Site:
     acc: torch.Tensor | None = None
     acc_labels: torch.Tensor | None = None
     acc_count: torch.Tensor | None = None
+    # Hidden states: the layer's own tensor that its forward stores last rows into, and where
+    # each token goes (last_rows.py).
+    last_rows: torch.Tensor | None = None
+    last_row_plan: LastRowPlan | None = None
     eager_executions: int = 0
-    enabled: bool = False  # host mirror of counter[1]
+    enabled: bool = False  # whether the component's stream captures this layer
+    launches: bool = False  # whether its capture kernel acts (host mirror of counter[1])
 
 
 @dataclass
@@ -134,7 +141,10 @@ class CaptureGraphState:
     # profile, and one 16,384-token prefill step of an 8B's 32 layers is 4 GiB of it.
     gather_bytes: int = 256 << 20
     acc_slots: int = 64
+    # The most tokens a forward runs (what a last-row plan's ``dest`` covers); 0: ``capacity``.
+    max_tokens: int = 0
     sites: dict[int, Site] = field(default_factory=dict)  # counter.data_ptr() -> Site
+    last_row_plans: dict[str, LastRowPlan] = field(default_factory=dict)
     streams: dict[str, StreamPlanBuffers] = field(default_factory=dict)
     groups: dict[str, list[RingGroup]] = field(default_factory=dict)
     input_ids: torch.Tensor | None = None
@@ -162,11 +172,22 @@ class CaptureGraphState:
     # ---- set-up (model load time) -------------------------------------------------------------
 
     def add_site(self, component: str, layer_id: int, layer_name: str, width: int,
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, last_rows: bool = False) -> torch.Tensor:
+        """A call site's counter. ``last_rows``: the site's forward also stores its rows for
+        ``last`` streams (``last_rows.store_last_rows`` into ``Site.last_rows``, at the
+        component's ``last_row_plans`` ``dest``)."""
         if self.ready:
             raise RuntimeError("capture sites must be added before the capture buffers are allocated")
         counter = L.new_site_buffer(self.device, enabled=False)
-        self.sites[counter.data_ptr()] = Site(component, layer_id, layer_name, width, dtype, counter)
+        site = Site(component, layer_id, layer_name, width, dtype, counter)
+        if last_rows:
+            plan = self.last_row_plans.get(component)
+            if plan is None:
+                plan = LastRowPlan.allocate(self.max_tokens or self.capacity, self.acc_slots,
+                                            self.device)
+                self.last_row_plans[component] = plan
+            site.last_row_plan, site.last_rows = plan, plan.rows_for(width, dtype)
+        self.sites[counter.data_ptr()] = site
         return counter
 
     def sites_of(self, component: str) -> list[Site]:
@@ -220,8 +241,9 @@ class CaptureGraphState:
                 self.groups.setdefault(component, []).append(group)
                 nbytes += sum(t.numel() * t.element_size()
                               for t in (ring, labels, acc, acc_labels, acc_count))
-        nbytes += sum(site.counter.numel() * site.counter.element_size()
-                      for site in self.sites.values())
+        nbytes += sum(t.numel() * t.element_size() for site in self.sites.values()
+                      for t in (site.counter, site.last_rows) if t is not None)
+        nbytes += sum(plan.dest.numel() * 8 for plan in self.last_row_plans.values())
         self.allocation_bytes = nbytes
         if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device=self.device)
@@ -229,7 +251,7 @@ class CaptureGraphState:
             self.nodes = graph_nodes.GraphNodes(
                 graph_nodes.load_driver(),
                 pinned=set() if reference is None else {reference.counter.data_ptr()})
-            self.nodes.set_sites({key: site.enabled for key, site in self.sites.items()})
+            self.nodes.set_sites({key: site.launches for key, site in self.sites.items()})
             graph_nodes.install(self.nodes)
         self.ready = True
 
@@ -260,6 +282,11 @@ class CaptureGraphState:
         residual, for this token-id dtype) start compiling on a thread: vLLM compiles the model
         meanwhile, and :meth:`await_kernels` waits for them before the first launch.
         """
+        for component, plan in self.last_row_plans.items():
+            if input_ids.shape[0] > plan.dest.shape[0]:
+                raise ValueError(f"{component}: the runner's token buffer holds "
+                                 f"{input_ids.shape[0]} tokens, more than the "
+                                 f"{plan.dest.shape[0]} its last-row plan was sized for")
         self.input_ids = input_ids
         if self.device.type == "cuda":
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-capture-compile")
@@ -288,18 +315,30 @@ class CaptureGraphState:
             warmup(self.device, [dtype], ids_dtypes=(self.input_ids.dtype,))
         self.startup_ms["kernel_wait"] = round((time.perf_counter() - started) * 1e3, 1)
 
-    def set_enabled(self, component: str, layers: set[int] | None) -> None:
-        """Switch sites of ``component`` on (layers=None: all) or off (empty set)."""
+    def set_enabled(self, component: str, layers: set[int] | None, last: bool = False) -> None:
+        """Switch sites of ``component`` on (layers=None: all) or off (empty set).
+
+        ``last``: the stream keeps each request's last row. Where the sites store last rows
+        themselves (``add_site(last_rows=True)``), the capture kernel acts at the first enabled
+        site only, for the slots' labels and counts, and the graphs replay no other site's."""
         buf = self.streams.get(component)
         if buf is not None and buf.pending_rows:
             raise RuntimeError(f"{component}: {buf.pending_rows} ring rows are not drained; "
                                "drain before switching layers")
-        for site in self.sites_of(component):
+        sites = self.sites_of(component)
+        for site in sites:
             site.enabled = layers is None or site.layer_id in layers
-            site.counter[L.SITE_ENABLED] = int(site.enabled)
+        enabled = [site for site in sites if site.enabled]
+        plan = self.last_row_plans.get(component)
+        stores = last and plan is not None and bool(enabled)
+        for site in sites:
+            site.launches = site.enabled and (not stores or site is enabled[0])
+            site.counter[L.SITE_ENABLED] = int(site.launches)
+        if plan is not None:
+            plan.active = stores
+            plan.clear()
         if self.nodes is not None:
-            self.nodes.set_sites({site.counter.data_ptr(): site.enabled
-                                  for site in self.sites_of(component)})
+            self.nodes.set_sites({site.counter.data_ptr(): site.launches for site in sites})
         for group in self.groups.get(component, ()):
             group.enabled = [i for i, site in enumerate(group.sites) if site.enabled]
             group.enabled_index = torch.tensor(group.enabled, dtype=torch.long, device=self.device)
@@ -369,6 +408,11 @@ class CaptureGraphState:
 
     def upload_segments(self, component: str, mode: int, row_start: np.ndarray,
                         row_count: np.ndarray, slots: np.ndarray, req_index: np.ndarray) -> None:
+        plan = self.last_row_plans.get(component)
+        if plan is not None and plan.active:
+            if mode != L.MODE_LAST:
+                raise ValueError(f"{component}: the sites store last rows; a plan of mode {mode}")
+            plan.point(row_start, row_count, slots)
         self._write(self.streams[component], mode, len(row_start),
                     (row_start, row_count, slots, req_index))
 
@@ -387,13 +431,7 @@ class CaptureGraphState:
         if image == buf.on_device and buf.step == 0:
             return
         buf.step = 0
-        if self.device.type == "cuda":
-            # A fresh pinned tensor per step: the caching host allocator keeps it alive until
-            # the non-blocking copy has run, so the step never waits for the copy.
-            staged = torch.from_numpy(host[:used]).pin_memory()
-            buf.buffer[:used].copy_(staged, non_blocking=True)
-        else:
-            buf.buffer[:used].copy_(torch.from_numpy(host[:used]))
+        upload(buf.buffer[:used], host[:used])
         buf.on_device = image
         self.plan_uploads += 1
 
@@ -410,6 +448,8 @@ class CaptureGraphState:
                 buf.host[L.META_COUNT] = 0
                 buf.meta.zero_()
                 buf.on_device = None
+        for plan in self.last_row_plans.values():
+            plan.clear()
 
     def handle(self, x: torch.Tensor, residual: torch.Tensor | None, counter: torch.Tensor) -> None:
         """The op body. At graph capture it records the launch; in eager mode it runs it."""
@@ -419,7 +459,7 @@ class CaptureGraphState:
         buf = self.streams[site.component]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing:
-            if not self.step_active or buf.count == 0 or not site.enabled:
+            if not self.step_active or buf.count == 0 or not site.launches:
                 # Eager step with nothing to capture (no plan, or a plan of no rows: a clause
                 # that selects nothing in this step): skip the launch (counter not bumped).
                 return
@@ -538,28 +578,25 @@ class CaptureGraphState:
         ``layers`` maps layer -> (rows [n, W] in ``dtype``, or the site's dtype where it is None,
         labels int32 [n, 3], counts int32 [n]): the fp32 accumulator as it is (``last``) or
         divided by its count (``mean``), then cast on the device, so the copy carries storage
-        bytes and the host converts nothing (a worker's torch runs on one CPU thread). The gather
-        (one per ring group, every enabled layer at once) runs on the main stream, and the slots
-        are zeroed right after it there, so that they are clean when handed out again: a new
-        request's first step then resets nothing (on the 1B's engine, a generate's first steps
-        are where capture's host time shows, and the engine core's input thread runs beside
-        them).
+        bytes and the host converts nothing (a worker's torch runs on one CPU thread); where the
+        sites store last rows themselves, their rows. The gather (one per ring group, every
+        enabled layer at once; a layer at a time from the sites' own tensors) runs on the main
+        stream, and the slots are zeroed right after it there, so that they are clean when
+        handed out again: a new request's first step then resets nothing (on the 1B's engine, a
+        generate's first steps are where capture's host time shows, and the engine core's input
+        thread runs beside them). The last-row tensors need no zeroing: a slot's row is read
+        only where its count says the kernel, and so the stores, wrote it.
         """
         idx = self._device_index(slots)
         cuda = self.device.type == "cuda"
-        gathered = []
-        for group in self.groups.get(component, ()):
-            if not group.enabled:
-                continue
-            # Slots first: the other order copies every slot of every enabled layer (512 MiB for
-            # an 8B's hidden states at 1,024 slots) to read a few.
-            acc = group.acc.index_select(1, idx).index_select(0, group.enabled_index)
-            counts = group.acc_count.index_select(1, idx).index_select(0, group.enabled_index)
-            if mean:
-                acc = acc / counts.clamp(min=1).unsqueeze(2).to(acc.dtype)
-            labels = group.acc_labels[group.enabled[0]].index_select(0, idx)
-            picked = (acc.to(dtype or group.ring.dtype), labels, counts)
-            gathered.append((group, picked))
+        plan = self.last_row_plans.get(component)
+        if plan is not None and plan.active:
+            gathered = [self._stored_last_rows(component, idx)]
+        else:
+            gathered = [(
+                [group.sites[i] for i in group.enabled],
+                self._reduced_rows(group, idx, mean, dtype)) for group in self.groups.get(component, ())
+                if group.enabled]
         event = None
         if cuda:
             done = torch.cuda.Event()
@@ -569,21 +606,44 @@ class CaptureGraphState:
         self.reset_acc_slots(component, idx)
         layers, names = {}, {}
         with torch.cuda.stream(self._copy_stream) if cuda else _no_stream():
-            for group, picked in gathered:
+            for sites, picked in gathered:
                 if cuda:
                     # The gathered temporaries must outlive the copies that read them.
                     for t in picked:
                         t.record_stream(self._copy_stream)
                 # On the CPU the gathers above made these for this read alone: no copy.
                 rows, labels, counts = (_to_host(t, cuda) for t in picked) if cuda else picked
-                for k, i in enumerate(group.enabled):
-                    site = group.sites[i]
+                for k, site in enumerate(sites):
                     layers[site.layer_id] = (rows[k], labels, counts[k])
                     names[site.layer_id] = site.layer_name
             if cuda:
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
         return DrainedRows(component, len(slots), layers, names, event)
+
+    def _reduced_rows(self, group: RingGroup, idx: torch.Tensor, mean: bool,
+                      dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+        """The capture kernel's reductions in slots ``idx`` of ``group``'s enabled sites:
+        (rows [sites, n, W] in ``dtype`` or the sites', labels [n, 3], counts [sites, n])."""
+        # Slots first: the other order copies every slot of every enabled layer (512 MiB for
+        # an 8B's hidden states at 1,024 slots) to read a few.
+        acc = group.acc.index_select(1, idx).index_select(0, group.enabled_index)
+        counts = group.acc_count.index_select(1, idx).index_select(0, group.enabled_index)
+        if mean:
+            acc = acc / counts.clamp(min=1).unsqueeze(2).to(acc.dtype)
+        labels = group.acc_labels[group.enabled[0]].index_select(0, idx)
+        return acc.to(dtype or group.ring.dtype), labels, counts
+
+    def _stored_last_rows(self, component: str, idx: torch.Tensor
+                          ) -> tuple[list[Site], tuple[torch.Tensor, ...]]:
+        """Slots ``idx`` of the enabled sites' last-row tensors, with the labels and counts the
+        capture kernel wrote at the one site where it acts (the same for every layer)."""
+        sites = [site for site in self.sites_of(component) if site.enabled]
+        counted = next(site for site in sites if site.launches)
+        rows = torch.stack([site.last_rows.index_select(0, idx) for site in sites])
+        counts = counted.acc_count.index_select(0, idx)
+        return sites, (rows, counted.acc_labels.index_select(0, idx),
+                       counts.unsqueeze(0).expand(len(sites), -1))
 
 
 def _aligned_rows(rows: int, *row_bytes: int) -> int:

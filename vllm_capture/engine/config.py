@@ -14,7 +14,7 @@ from vllm_capture.checks import is_int
 from vllm_capture.session.components import COMPONENTS
 
 CONFIG_KEY = "capture"
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2
 WORKER_EXTENSION = "vllm_capture.engine.worker_ext.CaptureWorkerExtension"
 
 

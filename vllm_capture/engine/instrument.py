@@ -7,7 +7,8 @@ like ordinary model code. It runs at model load, before the first forward compil
 
 Capture points:
 - hidden_states: the decoder layer's output; where the layer returns ``(hidden, residual)`` the row
-  is ``hidden + residual`` (the residual stream the next layer reads).
+  is ``hidden + residual`` (the residual stream the next layer reads). The layer also stores it
+  for ``last`` streams with traced torch ops (``capture_graph/last_rows.py``).
 - attention_heads: the input of ``self_attn.o_proj``: concatenated per-head outputs, head-major.
 - router_logits: the output of the MoE gate (also when vLLM calls it inside its fused-MoE op).
 """
@@ -20,10 +21,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_capture.capture_graph.last_rows import store_last_rows
+from vllm_capture.capture_graph.state import CaptureGraphState
 from vllm_capture.kernels.layout import STORAGE_DTYPES
 from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES, ROUTER_LOGITS
 
 SITE_BUFFER = "_vllm_capture_site"
+LAST_ROWS_BUFFER = "_vllm_capture_last_rows"
+LAST_DEST_BUFFER = "_vllm_capture_last_dest"
+LAST_ROW_PLAN = "_vllm_capture_last_row_plan"
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
 
@@ -173,6 +179,11 @@ def _captured_subclass(cls: type, component: str) -> type:
                     f"{HIDDEN_STATES} cannot be captured: leave the component out "
                     f"(capture_components)")
             torch.ops.vllm_capture.capture(hidden, residual, getattr(self, SITE_BUFFER))
+            # Traced, the stores always run (fused into the next layer's kernels); eager, only
+            # while a stream reads them.
+            if torch.compiler.is_compiling() or getattr(self, LAST_ROW_PLAN).active:
+                store_last_rows(getattr(self, LAST_ROWS_BUFFER), getattr(self, LAST_DEST_BUFFER),
+                                hidden, residual)
             return out
     elif component == ATTENTION_HEADS:
         def forward(self, input_, *args, **kwargs):
@@ -190,9 +201,16 @@ def _captured_subclass(cls: type, component: str) -> type:
     return sub
 
 
-def instrument(targets: list[Target], add_site) -> None:
-    """Give every target its site tensor (from ``add_site``) and swap in the capturing class."""
+def instrument(targets: list[Target], state: CaptureGraphState) -> None:
+    """Give every target its site in ``state``, its tensors as buffers (inputs of the compiled
+    pieces, which the layers then share), and swap in the capturing class."""
     for t in targets:
-        counter = add_site(t.component, t.layer_id, t.name, t.width, t.dtype)
+        counter = state.add_site(t.component, t.layer_id, t.name, t.width, t.dtype,
+                                 last_rows=t.component == HIDDEN_STATES)
         t.module.register_buffer(SITE_BUFFER, counter, persistent=False)
+        site = state.sites[counter.data_ptr()]
+        if site.last_rows is not None:
+            t.module.register_buffer(LAST_ROWS_BUFFER, site.last_rows, persistent=False)
+            t.module.register_buffer(LAST_DEST_BUFFER, site.last_row_plan.dest, persistent=False)
+            setattr(t.module, LAST_ROW_PLAN, site.last_row_plan)
         t.module.__class__ = _captured_subclass(type(t.module), t.component)

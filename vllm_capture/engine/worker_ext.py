@@ -26,7 +26,8 @@ from vllm_capture.engine.instrument import WHERE_SITES_ARE, find_targets, instru
 from vllm_capture.engine.runners import wrap_runner
 from vllm_capture.kernels.ops import register_op, set_site_handler
 from vllm_capture.session import shm, wire
-from vllm_capture.session.components import COMPONENTS, REPLICATED_COMPONENTS, ROUTER_LOGITS
+from vllm_capture.session.components import (COMPONENTS, HIDDEN_STATES, REPLICATED_COMPONENTS,
+                                             ROUTER_LOGITS)
 from vllm_capture.session.session import CaptureSession
 
 logger = logging.getLogger("vllm_capture")
@@ -38,10 +39,14 @@ def _ring_bytes_per_row(cfg: EngineCaptureConfig, targets) -> int:
     return sum((t.width * t.dtype.itemsize + 12) * cfg.ring_slots for t in targets)
 
 
+def max_num_batched_tokens(vllm_config) -> int:
+    return int(vllm_config.scheduler_config.max_num_batched_tokens)
+
+
 def _capacity(cfg: EngineCaptureConfig, targets, vllm_config) -> int:
     """Rows per step per component: all rows of the largest step, or what the byte budget holds."""
     bytes_per_row = _ring_bytes_per_row(cfg, targets)
-    max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    max_tokens = max_num_batched_tokens(vllm_config)
     if bytes_per_row == 0 or cfg.buffer_bytes is None:
         return max_tokens
     capacity = max(1, min(max_tokens, cfg.buffer_bytes // bytes_per_row))
@@ -64,8 +69,11 @@ def _reduce_slots(cfg: EngineCaptureConfig, vllm_config) -> int:
 
 def _buffers_do_not_fit(cfg: EngineCaptureConfig, targets, capacity: int, slots: int) -> str:
     ring_gib = _ring_bytes_per_row(cfg, targets) * capacity / 2**30
-    # A slot holds a float32 row, its three labels and its count at each call site.
-    slot_gib = sum(t.width * 4 + 16 for t in targets) * slots / 2**30
+    # A slot holds a float32 row, its three labels and its count at each call site, and a row
+    # in the site's dtype where the site stores last rows itself (hidden states).
+    slot_gib = sum(t.width * 4 + 16 + (t.width * t.dtype.itemsize
+                                       if t.component == HIDDEN_STATES else 0)
+                   for t in targets) * slots / 2**30
     return (f"vllm-capture: its device rings, {ring_gib:.1f} GiB ({capacity} rows a step at each "
             f"of {len(targets)} call sites: by default every row of the largest step, "
             f"max_num_batched_tokens), and its {slots} reduction slots, {slot_gib:.1f} GiB "
@@ -132,8 +140,8 @@ def install(worker) -> CaptureSession | None:
     capacity = _capacity(cfg, targets, worker.vllm_config)
     slots = _reduce_slots(cfg, worker.vllm_config)
     state = CaptureGraphState(device=device, capacity=capacity, ring_slots=cfg.ring_slots,
-                              acc_slots=slots)
-    instrument(targets, state.add_site)
+                              acc_slots=slots, max_tokens=max_num_batched_tokens(worker.vllm_config))
+    instrument(targets, state)
     try:
         state.allocate()
     except torch.OutOfMemoryError as exc:

@@ -297,7 +297,8 @@ class CaptureSession:
         st.slot_req_index = np.zeros(self.graph_state.acc_slots, dtype=np.int32)
         st.slot_last_position = np.full(self.graph_state.acc_slots, -1, dtype=np.int64)
         self._set_stream(stream, st)
-        self.graph_state.set_enabled(stream, set() if stream in self._rank0_only else config.layers)
+        self.graph_state.set_enabled(stream, set() if stream in self._rank0_only else config.layers,
+                                     last=config.reduce == "last")
 
     def disable_stream(self, stream: str) -> None:
         self._check_stream(stream)
