@@ -762,8 +762,9 @@ def test_capacity_example_with_stream_status():
     timers = engine.session.stream_status(HS)["host_timers"]
     assert timers["fetch_wait_ms"] > 0 and timers["fetch_serialize_ms"] > 0
     # The harvest thread's CPU time in storing, beside its wall time (CPU time of one thread
-    # cannot pass its wall time; rounding to microseconds aside).
-    assert 0 < timers["harvest_cpu_ms"] <= timers["harvest_ms"] + 0.002
+    # cannot pass its wall time; rounding to microseconds aside, and the two clocks apart: the
+    # thread's is the scheduler's, and on the CPU VM it read 0.336 ms where the wall's read 0.331).
+    assert 0 < timers["harvest_cpu_ms"] <= timers["harvest_ms"] * 1.05 + 0.002
     gc.collect()  # a pause of the whole process, counted where no stage explains it
     assert engine.session.stream_status(HS)["host_timers"]["gc_ms"] > timers["gc_ms"] >= 0
 
