@@ -14,8 +14,10 @@ static ring of its own, token t to row ``t % ROWS`` (every row: more stores than
 capture makes); ``--store shared`` the same into one fp32 tensor of every layer's rows, each
 layer from its own first row (a 0-dim buffer), as capture's accumulators are laid out;
 ``--store none`` leaves the model as it is; ``--store op`` is vllm-capture as it
-ships, the last token of every layer's hidden states (the benchmark's hidden-last) through its
-capture op, fetched after each timed generate (outside its time). Each layer's ring is a
+ships, the last token of every layer's hidden states (the benchmark's hidden-last), fetched after
+each timed generate (outside its time): since session 54 stored by traced torch ops too, into a
+tensor a layer (``vllm_capture/capture_graph/last_rows.py``), with the capture op acting at the
+first layer only, for labels and counts. Each layer's ring is a
 tensor of its own: a store into a view of one shared ring was functionalized into a copy of the
 whole view every forward (the CPU VM, session 52). The engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with vLLM's compile cache off (a cache made without the
@@ -29,7 +31,7 @@ seconds and ``compiled_modules``, the modules Inductor generated (more than none
 stores keep vLLM from reusing one compiled piece across layers); ``kernel_launches``, the
 launch sites in every module Inductor generated (kernels, library calls and custom ops, summed;
 a piece the layers share counts once: equal to none's where every store fused into a kernel
-that runs anyway); the kernels whose names say they store (``index_put``; Inductor shortens
+that runs anyway), and ``launches_by_module``, each module's launches by name; the kernels whose names say they store (``index_put``; Inductor shortens
 long names, so not every one says it); whether every ring holds rows (op: whether every
 request's every layer came back); ``tokens_sha``, a hash of the first generate's tokens (greedy:
 the same in every mode where the stores leave the model's arithmetic alone).
@@ -42,8 +44,11 @@ none's. ``shared`` on the CPU VM (session 53) miscompiled: the generated tokens 
 Llama, 8 prompts: ``tokens_sha`` differs from none's and fused's, which agree), and in one run
 the last layer's rows never reached the tensor; a storing kernel read the last layer's o_proj
 output before the matmul that writes it. Right with ``enforce_eager``, and under plain
-``torch.compile`` of a model that stores the same way. Alternate the modes in fresh processes
-on one host to compare their speed.
+``torch.compile`` of a model that stores the same way. Session 54 (an H100): ``op``, now
+vllm-capture's traced stores, kept none's tokens (``tokens_sha``) and 3 modules, with 34 launch
+sites against none's 30 (on the CPU VM, tiny Llama: exactly the capture op's calls added, 8 for
+4 layers of hidden states and heads, the stores in the add + RMSNorm kernels). Alternate the
+modes in fresh processes on one host to compare their speed.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ KERNEL_NAME = re.compile(r"\b((?:triton|cpp)_\w*fused\w*)")
 # A launch in a generated module's call(): an Inductor kernel, a library call (a matmul), or a
 # custom op Inductor leaves opaque (the capture op among them).
 LAUNCH = re.compile(
-    r"^\s+(?:(?:triton|cpp)_\w+(?:\.run)?|extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(",
+    r"^\s+((?:triton|cpp)_\w+(?:\.run)?|extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(",
     re.M)
 
 
@@ -137,12 +142,16 @@ class GeneratedCode(logging.Handler):
         self.names: set[str] = set()
         self.launches = 0
         self.modules = 0
+        self.module_launches: list[list[str]] = []  # per module, what its call() launches
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         self.names.update(KERNEL_NAME.findall(text))
-        self.launches += len(LAUNCH.findall(text))
-        self.modules += "def call(" in text
+        launches = LAUNCH.findall(text)
+        self.launches += len(launches)
+        if "def call(" in text:
+            self.modules += 1
+            self.module_launches.append(launches)
 
 
 def fetch_last_rows(llm, layers: int) -> int:
@@ -231,6 +240,7 @@ def main() -> int:
         "tok_s": [round(t) for t in tok_s], "tok_s_median": round(statistics.median(tok_s)),
         "kernel_launches": code.launches, "storing_kernels": storing,
         "compiled_modules": code.modules, "init_s": round(init_s, 1), "tokens_sha": tokens_sha,
+        "launches_by_module": code.module_launches,
         "layers_patched": None if stored is None else stored.layers_built,
         "rings_hold_rows": (fetched == args.prompts if args.store == "op"
                             else None if stored is None
