@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | last-rows | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -89,6 +89,13 @@ case "$SET" in
         | tee -a "$OUT/fused_store.log" | grep -E "^\{" | cut -c1-400
       gzip -c /tmp/fused_store_$m.err >"$OUT/fused_store_$m.err.gz"
     done
+    ;;
+  eager)
+    # The eager path alone (enforce_eager): the tiny Llama's rows against HF fp32, and its last
+    # and mean reductions against its own all-row capture (last bit for bit; since session 54 the
+    # last rows come from the layers' eager stores, capture_graph/last_rows.py). About 2 minutes.
+    run llama_eager --model llama --mode eager
+    compare llama_eager llama --max-rel 0.1
     ;;
   aligned)
     # Ring and slot counts whose rows are not 16-byte multiples (251 tokens a step, 50 slots):
