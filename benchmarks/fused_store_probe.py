@@ -31,10 +31,11 @@ seconds and ``compiled_modules``, the modules Inductor generated (more than none
 stores keep vLLM from reusing one compiled piece across layers); ``kernel_launches``, the
 launch sites in every module Inductor generated (kernels, library calls and custom ops, summed;
 a piece the layers share counts once: equal to none's where every store fused into a kernel
-that runs anyway), and ``launches_by_module``, each module's launches by name; the kernels whose names say they store (``index_put``; Inductor shortens
-long names, so not every one says it); whether every ring holds rows (op: whether every
-request's every layer came back); ``tokens_sha``, a hash of the first generate's tokens (greedy:
-the same in every mode where the stores leave the model's arithmetic alone).
+that runs anyway), and ``launches_by_module``, each module's launches by name; the kernels
+whose names say they store (``index_put``; Inductor shortens long names, so not every one says
+it); whether every ring holds rows (op: whether every request's every layer came back);
+``tokens_sha``, a hash of the first generate's tokens (greedy: the same in every mode where the
+stores leave the model's arithmetic alone).
 
 On the CPU VM (tiny Llama, session 52): 18 launches with no store and with the fused ones, the
 stores in the next layer's add + RMSNorm kernels (the last layer's in the final norm's). On an

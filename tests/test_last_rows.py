@@ -75,7 +75,8 @@ def test_a_stored_row_is_the_kernels_last_row_in_the_sites_dtype(dtype, with_res
     tokens = 40
     base = (torch.randn(tokens, 2 * width, generator=gen) * 100).to(dtype)
     hidden = base[:, ::2]
-    residual = (torch.randn(tokens, width, generator=gen) * 100).to(dtype) if with_residual else None
+    residual = ((torch.randn(tokens, width, generator=gen) * 100).to(dtype) if with_residual
+                else None)
     plan = LastRowPlan.allocate(tokens, 5, torch.device("cpu"))
     plan.point(starts, counts, slot)
     rows = plan.rows_for(width, dtype)

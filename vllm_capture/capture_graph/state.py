@@ -593,10 +593,9 @@ class CaptureGraphState:
         if plan is not None and plan.active:
             gathered = [self._stored_last_rows(component, idx)]
         else:
-            gathered = [(
-                [group.sites[i] for i in group.enabled],
-                self._reduced_rows(group, idx, mean, dtype)) for group in self.groups.get(component, ())
-                if group.enabled]
+            gathered = [([group.sites[i] for i in group.enabled],
+                         self._reduced_rows(group, idx, mean, dtype))
+                        for group in self.groups.get(component, ()) if group.enabled]
         event = None
         if cuda:
             done = torch.cuda.Event()

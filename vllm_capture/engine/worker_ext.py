@@ -140,7 +140,8 @@ def install(worker) -> CaptureSession | None:
     capacity = _capacity(cfg, targets, worker.vllm_config)
     slots = _reduce_slots(cfg, worker.vllm_config)
     state = CaptureGraphState(device=device, capacity=capacity, ring_slots=cfg.ring_slots,
-                              acc_slots=slots, max_tokens=max_num_batched_tokens(worker.vllm_config))
+                              acc_slots=slots,
+                              max_tokens=max_num_batched_tokens(worker.vllm_config))
     instrument(targets, state)
     try:
         state.allocate()
