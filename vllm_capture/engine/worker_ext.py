@@ -142,8 +142,8 @@ def install(worker) -> CaptureSession | None:
     state = CaptureGraphState(device=device, capacity=capacity, ring_slots=cfg.ring_slots,
                               acc_slots=slots,
                               max_tokens=max_num_batched_tokens(worker.vllm_config))
-    instrument(targets, state)
     try:
+        instrument(targets, state)  # allocates the hidden states' last-row tensors
         state.allocate()
     except torch.OutOfMemoryError as exc:
         raise torch.OutOfMemoryError(_buffers_do_not_fit(cfg, targets, capacity, slots)) from exc
