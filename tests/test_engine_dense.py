@@ -406,6 +406,9 @@ def test_steady_decode_repeats_its_plan(llm):
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
     steps = after["steps"] - before["steps"]
     uploads = after["plan_uploads"] - before["plan_uploads"]
+    # The layers' last-row stores: their dest is copied only where a plan changed it.
+    dest_uploads = after["last_row_uploads"] - before["last_row_uploads"]
+    assert 1 <= dest_uploads <= uploads, (dest_uploads, uploads)
     # Prefill and the first decode steps plan anew (the scheduler may admit the requests over
     # two steps); so does the last, which vLLM reorders as requests finish. Every other
     # step of the four requests repeats.

@@ -414,9 +414,12 @@ class CaptureSession:
             "graph_nodes": (None if gs is None or gs.nodes is None else gs.nodes.status()),
             "startup_ms": {**self.startup_ms, **({} if gs is None else gs.startup_ms)},
             # plan_uploads: host-to-device plan copies; steady decode repeats its plan and
-            # copies none, so far fewer than steps.
+            # copies none, so far fewer than steps. last_row_uploads: copies of the last-row
+            # stores' dest, made only with a plan that changed it.
             "host_timers": {"steps": self._host_steps, "repeat_steps": self._repeat_steps,
                             "plan_uploads": 0 if gs is None else gs.plan_uploads,
+                            "last_row_uploads": 0 if gs is None else sum(
+                                plan.uploads for plan in gs.last_row_plans.values()),
                             "plan_steps": 0 if gs is None else gs.plan_steps,
                             **{f"{k}_ms": round(v * 1e3, 3) for k, v in self._host_s.items()},
                             "gc_ms": 0.0 if self._gc_baseline is None else
