@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -39,6 +39,18 @@ fi
 G=tests/gpu/gpu_checks.py
 run() { local name=$1; shift; echo "== $name"; timeout ${RUN_TIMEOUT:-300} python3 $G run "$@" --out /tmp/$name.pt >"$OUT/$name.log" 2>&1; echo "rc=$? $(grep -E '^\{' "$OUT/$name.log" | tail -1 | cut -c1-300)"; }
 compare() { local name=$1 model=$2; shift 2; python3 $G compare --run /tmp/$name.pt --model-dir /tmp/tiny/$model --report "$OUT/${name}_report.json" "$@" >"$OUT/${name}_compare.log" 2>&1; echo "compare $name rc=$?"; }
+# The tiny Llama under graphs on the V2 runner, then the same prompts through the V1 runner's
+# wrapper: each run's rows against HF fp32, its last/mean reductions against its own all-row
+# capture (last bit for bit), and V1's rows against V2's (--identical: bit for bit). Session 52
+# read V1 equal to V2 (every generate first queues all its requests, generate_together); before
+# that sessions 15, 19, 49 and 50 read them one bf16 step apart, and so did session 54, with the
+# traced last-row stores.
+v2_then_v1() {
+  run llama_graph --model llama --mode graph
+  compare llama_graph llama --max-rel 0.1
+  run llama_v1_graph --model llama --mode graph --v1
+  compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt --identical v2_graph
+}
 case "$SET" in
   dense)
     run llama_vanilla --model llama --no-capture
@@ -59,14 +71,14 @@ case "$SET" in
     # A drain's gather on the device, in the store's order and as the ring holds them (no engine).
     timeout 120 python3 $G drain-order --report "$OUT/drain_order_report.json" >"$OUT/drain_order.log" 2>&1
     echo "drain-order rc=$? $(tail -1 "$OUT/drain_order.log" | cut -c1-400)"
-    run llama_graph --model llama --mode graph
-    compare llama_graph llama --max-rel 0.1
-    # The same prompts through the V1 runner's wrapper, whose rows must equal V2's bit for bit
-    # (--identical): so they did in session 52, where every generate first queued all its
-    # requests (generate_together); before, they ran in batches of however many had arrived,
-    # and were up to one bf16 step apart (sessions 15, 49, 50 and 52).
-    run llama_v1_graph --model llama --mode graph --v1
-    compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt --identical v2_graph
+    v2_then_v1
+    ;;
+  v1-v2)
+    # v2_then_v1 alone (about 3 minutes on an H100). Whether V1's rows one bf16 step from V2's
+    # come with the traced stores: run it for the package before them too, on the same machine,
+    # e.g. `PACKAGE_AT=90a8f89 OUT=$OUT/before bash benchmarks/gpu_session.sh v1-v2` (carrying
+    # .bisect/90a8f89, see PACKAGE_AT above), then without PACKAGE_AT.
+    v2_then_v1
     ;;
   last-rows)
     # Last-token hidden states stored by traced torch ops (vllm_capture/capture_graph/
@@ -76,10 +88,7 @@ case "$SET" in
     # vanilla (none) against capture's hidden-last (op): tokens_sha (the stores leave the
     # model's arithmetic alone), compiled_modules (the layers still share one piece) and the
     # launch sites (one capture op in the shared piece). About 5 minutes.
-    run llama_graph --model llama --mode graph
-    compare llama_graph llama --max-rel 0.1
-    run llama_v1_graph --model llama --mode graph --v1
-    compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt --identical v2_graph
+    v2_then_v1
     # (Each mode's whole Inductor log comes back gzipped. Session 54 read 34 launch sites for op
     # against none's 30; on the CPU VM, launches_by_module shows op adding the capture op's
     # calls (hidden states' and heads') and no kernel: on a GPU, 4 calls in the 2 modules with
