@@ -215,19 +215,20 @@ def test_an_eager_layer_stores_its_last_rows_only_while_a_stream_reads_them(op_c
     layer = _captured_layer(state, width=3)
     state.allocate()
     (site,) = state.sites_of(HIDDEN_STATES)
+    plan = state.last_row_plans[HIDDEN_STATES]
     assert getattr(layer, SITE_BUFFER) is site.counter
     assert getattr(layer, LAST_ROWS_BUFFER) is site.last_rows
-    assert getattr(layer, LAST_DEST_BUFFER) is site.last_row_plan.dest
+    assert getattr(layer, LAST_DEST_BUFFER) is plan.dest
     hidden = torch.randn(5, 3, dtype=torch.bfloat16)
     residual = torch.randn(5, 3, dtype=torch.bfloat16)
     segments = (np.array([0, 2]), np.array([2, 3]), np.array([3, 1]))  # starts, counts, slots
 
-    site.last_row_plan.point(*segments)  # a plan, but no stream reads the rows
+    plan.point(*segments)  # a plan, but no stream reads the rows
     layer((hidden, residual))
     assert not site.last_rows.any()
 
     state.set_enabled(HIDDEN_STATES, None, last=True)
-    site.last_row_plan.point(*segments)
+    plan.point(*segments)
     layer((hidden, residual))
     expected = (hidden.float() + residual.float()).to(torch.bfloat16)
     assert torch.equal(site.last_rows[3], expected[1])

@@ -304,9 +304,9 @@ class Engine:
                 res = None
             self.state.handle(x, res, counter)
             # The eager hook's last-row store (instrument._captured_subclass).
-            site = self.state.sites[counter.data_ptr()]
-            if site.last_row_plan is not None and site.last_row_plan.active:
-                store_last_rows(site.last_rows, site.last_row_plan.dest, x, res)
+            plan = self.state.last_row_plans.get(component)
+            if plan is not None and plan.active:
+                store_last_rows(self.state.sites[counter.data_ptr()].last_rows, plan.dest, x, res)
             self.handle_calls += 1
 
     # -- client side -------------------------------------------------------------------------------

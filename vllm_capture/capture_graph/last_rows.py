@@ -46,9 +46,10 @@ def store_last_rows(rows: torch.Tensor, dest: torch.Tensor, hidden: torch.Tensor
     rows.index_put_((dest[:hidden.shape[0]],), value.to(rows.dtype))
 
 
-def sink_rows(tokens: int, slots: int) -> np.ndarray:
-    """``dest`` with no token reduced: token t to sink row ``slots + t % SINK_ROWS``."""
-    return slots + np.arange(tokens, dtype=np.int64) % SINK_ROWS
+def sink_rows(tokens: np.ndarray, slot_count: int) -> np.ndarray:
+    """The sink row of each token in ``tokens`` (its index in the step): ``slot_count + t %
+    SINK_ROWS``, after the slots."""
+    return slot_count + tokens % SINK_ROWS
 
 
 @dataclass
@@ -57,7 +58,7 @@ class LastRowPlan:
     the layers of one component), and whether a stream reads those tensors (``active``)."""
 
     dest: torch.Tensor  # int64 [max tokens], device; registered on every instrumented layer
-    slots: int
+    slot_count: int
     active: bool = False
     # The host image of ``dest``, and the tokens it sends to slots (the rest go to sinks).
     host: np.ndarray = field(init=False)
@@ -66,21 +67,23 @@ class LastRowPlan:
     uploads: int = 0
 
     def __post_init__(self):
-        self.host = sink_rows(self.dest.shape[0], self.slots)
+        self.host = sink_rows(np.arange(self.dest.shape[0], dtype=np.int64), self.slot_count)
         self.tokens = self.targets = np.zeros(0, dtype=np.int64)
 
     @classmethod
-    def allocate(cls, tokens: int, slots: int, device: torch.device) -> "LastRowPlan":
-        return cls(torch.from_numpy(sink_rows(tokens, slots)).to(device), slots)
+    def allocate(cls, tokens: int, slot_count: int, device: torch.device) -> "LastRowPlan":
+        every_sink = sink_rows(np.arange(tokens, dtype=np.int64), slot_count)
+        return cls(torch.from_numpy(every_sink).to(device), slot_count)
 
     def rows_for(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """A layer's tensor: one row per slot, then the sinks."""
-        return torch.zeros(self.slots + SINK_ROWS, width, dtype=dtype, device=self.dest.device)
+        return torch.zeros(self.slot_count + SINK_ROWS, width, dtype=dtype,
+                           device=self.dest.device)
 
     def point(self, row_start: np.ndarray, row_count: np.ndarray, slots: np.ndarray) -> None:
         """Send each segment's last row to its slot (a ``MODE_LAST`` plan's segments), every other
         token to a sink; copies ``dest`` to the device only where it changes."""
-        valid = (row_count > 0) & (slots >= 0) & (slots < self.slots)
+        valid = (row_count > 0) & (slots >= 0) & (slots < self.slot_count)
         tokens = (np.asarray(row_start, dtype=np.int64) + row_count - 1)[valid]
         targets = np.asarray(slots, dtype=np.int64)[valid]
         if np.array_equal(tokens, self.tokens) and np.array_equal(targets, self.targets):
@@ -88,7 +91,7 @@ class LastRowPlan:
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= len(self.host)):
             raise ValueError(f"last rows {tokens.min()}..{tokens.max()} outside the "
                              f"{len(self.host)} tokens of dest")
-        self.host[self.tokens] = self.slots + self.tokens % SINK_ROWS
+        self.host[self.tokens] = sink_rows(self.tokens, self.slot_count)
         self.host[tokens] = targets
         end = 1 + max(self.tokens.max(initial=-1), tokens.max(initial=-1))
         self.tokens, self.targets = tokens, targets

@@ -50,10 +50,9 @@ class Site:
     acc: torch.Tensor | None = None
     acc_labels: torch.Tensor | None = None
     acc_count: torch.Tensor | None = None
-    # Hidden states: the layer's own tensor that its forward stores last rows into, and where
-    # each token goes (last_rows.py).
+    # Hidden states: the layer's own tensor that its forward stores last rows into, at the
+    # component's ``CaptureGraphState.last_row_plans`` dest (last_rows.py).
     last_rows: torch.Tensor | None = None
-    last_row_plan: LastRowPlan | None = None
     eager_executions: int = 0
     enabled: bool = False  # whether the component's stream captures this layer
     launches: bool = False  # whether its capture kernel acts (host mirror of counter[1])
@@ -186,7 +185,7 @@ class CaptureGraphState:
                 plan = LastRowPlan.allocate(self.max_tokens or self.capacity, self.acc_slots,
                                             self.device)
                 self.last_row_plans[component] = plan
-            site.last_row_plan, site.last_rows = plan, plan.rows_for(width, dtype)
+            site.last_rows = plan.rows_for(width, dtype)
         self.sites[counter.data_ptr()] = site
         return counter
 

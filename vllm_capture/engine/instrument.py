@@ -210,7 +210,8 @@ def instrument(targets: list[Target], state: CaptureGraphState) -> None:
         t.module.register_buffer(SITE_BUFFER, counter, persistent=False)
         site = state.sites[counter.data_ptr()]
         if site.last_rows is not None:
+            plan = state.last_row_plans[t.component]
             t.module.register_buffer(LAST_ROWS_BUFFER, site.last_rows, persistent=False)
-            t.module.register_buffer(LAST_DEST_BUFFER, site.last_row_plan.dest, persistent=False)
-            setattr(t.module, LAST_ROW_PLAN, site.last_row_plan)
+            t.module.register_buffer(LAST_DEST_BUFFER, plan.dest, persistent=False)
+            setattr(t.module, LAST_ROW_PLAN, plan)
         t.module.__class__ = _captured_subclass(type(t.module), t.component)
