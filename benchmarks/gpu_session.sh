@@ -51,6 +51,16 @@ v2_then_v1() {
   run llama_v1_graph --model llama --mode graph --v1
   compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt --identical v2_graph
 }
+# fused_store_probe.py in a fresh process a mode, in the order given, on MODEL: its JSON lines to
+# $OUT/fused_store.log, each mode's whole Inductor log (stderr) gzipped beside it.
+store_probes() {
+  local model=$1 m; shift
+  for m in "$@"; do
+    timeout 140 python3 benchmarks/fused_store_probe.py --store $m --model $model 2>/tmp/fused_store_$m.err \
+      | tee -a "$OUT/fused_store.log" | grep -E "^\{" | cut -c1-400
+    gzip -c /tmp/fused_store_$m.err >"$OUT/fused_store_$m.err.gz"
+  done
+}
 case "$SET" in
   dense)
     run llama_vanilla --model llama --no-capture
@@ -89,15 +99,10 @@ case "$SET" in
     # model's arithmetic alone), compiled_modules (the layers still share one piece) and the
     # launch sites (one capture op in the shared piece). About 5 minutes.
     v2_then_v1
-    # (Each mode's whole Inductor log comes back gzipped. Session 54 read 34 launch sites for op
-    # against none's 30; on the CPU VM, launches_by_module shows op adding the capture op's
-    # calls (hidden states' and heads') and no kernel: on a GPU, 4 calls in the 2 modules with
-    # layer outputs would make those 4.)
-    for m in none op; do
-      timeout 140 python3 benchmarks/fused_store_probe.py --store $m --model 1b 2>/tmp/fused_store_$m.err \
-        | tee -a "$OUT/fused_store.log" | grep -E "^\{" | cut -c1-400
-      gzip -c /tmp/fused_store_$m.err >"$OUT/fused_store_$m.err.gz"
-    done
+    # (Session 54 read 34 launch sites for op against none's 30; on the CPU VM,
+    # launches_by_module shows op adding the capture op's calls (hidden states' and heads') and
+    # no kernel: on a GPU, 4 calls in the 2 modules with layer outputs would make those 4.)
+    store_probes 1b none op
     ;;
   eager)
     # The eager path alone (enforce_eager): the tiny Llama's rows against HF fp32, and its last
@@ -327,12 +332,7 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # every store fused and the layers still share one compiled piece), rings_hold_rows, and
     # tokens_sha (one value for every mode, else a store changed the model's arithmetic: the
     # shared tensor did on the CPU VM).
-    # (Inductor's generated code goes to stderr, kept in /tmp; its last lines come back.)
-    for m in none fused shared op none fused shared op; do
-      timeout 140 python3 benchmarks/fused_store_probe.py --store $m --model ${2:-1b} 2>/tmp/fused_store_$m.err \
-        | tee -a "$OUT/fused_store.log" | grep -E "^\{" | cut -c1-400
-      tail -40 /tmp/fused_store_$m.err >"$OUT/fused_store_$m.err.tail"
-    done
+    store_probes ${2:-1b} none fused shared op none fused shared op
     ;;
   eager-launch)
     # One eager capture launch's host time (no engine, seconds): the whole launch, its layout
