@@ -674,6 +674,18 @@ def engine_log_facts(log_text: str, pids: dict[str, list[int]]) -> dict[str, dic
     return out
 
 
+# vLLM's LLM() raises this where its engine core failed to start; the cause is in the core's log.
+ROOT_CAUSE_ABOVE = "See root cause above."
+CORE_EXCEPTION = re.compile(r"^\(EngineCore[^()\s]* pid=\d+\)(?: ERROR [^\]]*\])? "
+                            r"(\w+(?:Error|Exception): .+)$", re.MULTILINE)
+
+
+def engine_core_error(log_text: str) -> str | None:
+    """The last exception an engine core logged (``Type: message``), or None."""
+    found = CORE_EXCEPTION.findall(log_text)
+    return found[-1].strip() if found else None
+
+
 def results_dir(out: str | Path, suite: S.Suite, stamp: str) -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]", "-", f"{stamp}-{suite.name}-{suite.model}")
     return Path(out) / "results" / name
@@ -850,18 +862,21 @@ class Suite:
         # Piped (gpu_session.sh), tqdm cannot redraw: refresh rarely so the log's tail stays readable.
         bar = tqdm(total=total, desc="benchmark", unit="gen", file=sys.stderr,
                    mininterval=2.0 if sys.stderr.isatty() else 30.0)
+        gpu_bytes = self.nvml.device()["gpu_memory_bytes"]
         for i, group in enumerate(groups):
             rest, plan, label = groups[i:], plans[tuple(group)], "+".join(group)
+            shortfall = S.memory_shortfall(self.suite, self.shape, group, gpu_bytes)
+            if shortfall:
+                tqdm.write(f"[{time.time() - self.t0:5.0f} s] {label}: not started: {shortfall}",
+                           file=sys.stderr)
+                self.skip_group(group, plan, f"does not fit: {shortfall}")
+                continue
             if self.args.warm_cache:
                 self.warm_cache(group, model_dir, bar)
             now = time.time()
             # Engines that cannot even finish starting before the workers are stopped are not started.
             if self.hard_end - now < 0.8 * startup(group) + 20:
-                for w, scens in plan:
-                    self.skipped += [{"engine": s.engine, "workload": w.name, "scenario": s.name,
-                                      "reason": "time budget spent before this engine"} for s in scens]
-                for e in group:
-                    self.engines[e] = {"error": "not started: time budget spent"}
+                self.skip_group(group, plan, "time budget spent before this engine")
                 continue
             deadline = S.engine_deadline(
                 now, self.end, [startup(g) for g in rest],
@@ -877,6 +892,14 @@ class Suite:
                     startups[S.ENGINES[e].eager] = info["init_s"]
             self.write()
         bar.close()
+
+    def skip_group(self, group: list[str], plan, reason: str) -> None:
+        """Record ``group``'s engines as not started and its scenarios as skipped, for ``reason``."""
+        for w, scens in plan:
+            self.skipped += [{"engine": s.engine, "workload": w.name, "scenario": s.name,
+                              "reason": reason} for s in scens]
+        for e in group:
+            self.engines[e] = {"error": f"not started: {reason}"}
 
     def warm_cache(self, group: list[str], model_dir: Path, bar) -> None:
         """Start and stop one engine per distinct set of ``group``'s engine arguments
@@ -937,6 +960,10 @@ class Suite:
         started = [e for e in group if infos[e].get("init_s") is not None]
         for e, facts in engine_log_facts(text, {e: infos[e].pop("pids", []) for e in group}).items():
             infos[e].update(facts)
+        cause = engine_core_error(text)
+        for info in infos.values():
+            if cause and ROOT_CAUSE_ABOVE in info.get("error", ""):
+                info["error"] += f" Root cause: {cause}"
         failure = next((i["error"] for i in infos.values() if i.get("error")), None)
         for e in group:
             infos[e]["returncode"] = rc

@@ -387,6 +387,50 @@ def engine_kwargs(suite: Suite, shape: ModelShape, engine: str) -> dict:
 # Side by side, each engine gets half of the memory; weights above this leave too little KV cache.
 SIDE_BY_SIDE_MAX_WEIGHT_BYTES = 24e9
 
+GIB = 1 << 30
+# What vLLM holds beside weights, capture buffers and KV cache: peak activations, CUDA graphs and
+# memory outside torch (the 8B at 8,192 batched tokens on an H100, session 55: 1.1, 0.22 and
+# 0.22 GiB), rounded up.
+ENGINE_OVERHEAD_BYTES = 2 * GIB
+
+
+def engine_floor_bytes(suite: Suite, shape: ModelShape, engine: str) -> dict[str, int]:
+    """The least GPU memory an engine starts with, by part: vLLM refuses to start an engine whose
+    share leaves no KV cache for one sequence of ``max_model_len`` tokens."""
+    tp = suite.tensor_parallel_size
+    kv_per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * dtype_bytes(suite, shape)
+    return {"weights": shape.weight_bytes // tp,
+            "capture buffers": engine_kwargs(suite, shape, engine).get("capture_buffer_bytes", 0),
+            "one sequence's KV cache": suite.max_model_len * kv_per_token // tp,
+            "activations and graphs": ENGINE_OVERHEAD_BYTES}
+
+
+def memory_shortfall(suite: Suite, shape: ModelShape, group: list[str],
+                     gpu_bytes: int | None) -> str | None:
+    """Why an engine of ``group`` cannot start on a GPU of ``gpu_bytes`` with its
+    ``gpu_memory_utilization`` share, or None (it fits, or the share or the GPU is unknown: CPU).
+
+    Checked before a group starts, so that a run on a smaller GPU than the suite was sized for
+    (the 8B's three engines side by side need an H200) says so instead of spending the engines'
+    start-up on vLLM's "No available memory for the cache blocks".
+    """
+    if not gpu_bytes:
+        return None
+    for e in group:
+        share = engine_kwargs(suite, shape, e).get("gpu_memory_utilization")
+        if share is None:
+            continue
+        parts = engine_floor_bytes(suite, shape, e)
+        need = sum(parts.values())
+        if need > share * gpu_bytes:
+            detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
+            remedy = ("run fewer engines side by side, or on a GPU with more memory"
+                      if len(group) > 1 else "run on a GPU with more memory")
+            return (f"{e} needs at least {need / GIB:.1f} GiB ({detail}), more than the "
+                    f"{share * gpu_bytes / GIB:.1f} GiB its gpu_memory_utilization of {share} "
+                    f"gives on this GPU of {gpu_bytes / GIB:.1f} GiB: {remedy}")
+    return None
+
 
 def engine_groups(suite: Suite, shape: ModelShape) -> list[list[str]]:
     """Engines that run in one worker, in start order.

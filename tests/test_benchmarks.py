@@ -172,6 +172,128 @@ def test_graph_engines_run_side_by_side_when_the_weights_fit_twice():
     assert "gpu_memory_utilization" not in S.engine_kwargs(cpu, S.MODELS["tiny"], "capture-graph")
 
 
+H100_BYTES, H200_BYTES = 81559 << 20, 143771 << 20  # NVML's totals of the cards lent
+
+
+def test_memory_shortfall_names_the_engine_that_cannot_start_and_its_parts():
+    """The 8B's three graph engines side by side do not fit an H100 (session 55: the capture
+    engine's start failed with "No available memory for the cache blocks"); two do, and three fit
+    an H200. The floor is the weights, the capture buffers, one max_model_len sequence's KV cache
+    and a margin, against the engine's gpu_memory_utilization of the card."""
+    shape = S.MODELS["8b"]
+    with_control = S.select(S.make_suite("full", "8b"), workloads="decode-c64",
+                            scenarios="vanilla,vanilla-b,idle,hidden-last")
+    three = S.engine_groups(with_control, shape)[0]
+    assert sorted(three) == ["capture-graph", "vanilla-graph", "vanilla-graph-b"]
+    floor = S.engine_floor_bytes(with_control, shape, "capture-graph")
+    kv_one_sequence = with_control.max_model_len * 32 * 2 * 8 * 128 * 2
+    assert floor == {"weights": shape.weight_bytes,
+                     "capture buffers": S.ring_buffer_bytes(shape, 8192),
+                     "one sequence's KV cache": kv_one_sequence,
+                     "activations and graphs": S.ENGINE_OVERHEAD_BYTES}
+    assert S.engine_floor_bytes(with_control, shape, "vanilla-graph")["capture buffers"] == 0
+    why = S.memory_shortfall(with_control, shape, three, H100_BYTES)
+    assert why.startswith(f"capture-graph needs at least {sum(floor.values()) / S.GIB:.1f} GiB "
+                          "(weights 15.0, capture buffers 8.4, one sequence's KV cache 0.1")
+    assert "0.283" in why and "fewer engines side by side" in why
+    share = S.engine_kwargs(with_control, shape, "capture-graph")["gpu_memory_utilization"]
+    assert sum(floor.values()) > share * H100_BYTES  # what the message says, from its parts
+    assert S.memory_shortfall(with_control, shape, three, H200_BYTES) is None
+    without = S.select(with_control, scenarios="vanilla,idle,hidden-last")
+    two = S.engine_groups(without, shape)[0]
+    assert len(two) == 2 and S.memory_shortfall(without, shape, two, H100_BYTES) is None
+    # Alone, an engine that does not fit can only move to a larger card.
+    moe = S.make_suite("full", "moe")
+    alone = S.memory_shortfall(moe, S.MODELS["moe"], ["capture-graph"], H100_BYTES)
+    assert alone.endswith("run on a GPU with more memory")
+    assert S.memory_shortfall(moe, S.MODELS["moe"], ["vanilla-graph"], H100_BYTES) is None
+    # No GPU known, or engines without a share (CPU): nothing to check.
+    assert S.memory_shortfall(with_control, shape, three, None) is None
+    cpu = S.make_suite("tiny-cpu")
+    assert S.memory_shortfall(cpu, S.MODELS["tiny"], ["capture-graph"], 1) is None
+
+
+def test_a_group_that_does_not_fit_is_skipped_before_its_worker_starts(tmp_path, monkeypatch):
+    """run_engines on an H100-sized GPU: the 8B's three engines are not started, each scenario is
+    skipped naming the shortfall; the same run on an H200-sized GPU starts its worker."""
+    from benchmarks import run
+
+    jobs = []
+
+    def worker(args, log, env, kill_at, on_line=None, events=None):
+        jobs.append(json.loads(Path(args[1]).read_text()))
+        log.write_text("")
+        return 0
+
+    monkeypatch.setattr(run, "run_subprocess", worker)
+    (tmp_path / "work").mkdir()
+    monkeypatch.setattr(run.tempfile, "mkdtemp", lambda prefix=None: str(tmp_path / "work"))
+    for gpu_bytes in (H100_BYTES, H200_BYTES):
+        monkeypatch.setattr(run.Nvml, "device", lambda self, b=gpu_bytes: {
+            "gpu": "card", "driver": "1", "gpu_memory_bytes": b})
+        suite = run.Suite(run.parse_args([
+            "--suite", "full", "--model", "8b", "--workloads", "decode-c64", "--scenarios",
+            "vanilla,vanilla-b,idle,hidden-last", "--out", str(tmp_path)]))
+        suite.run_engines(tmp_path)
+        if gpu_bytes == H100_BYTES:
+            assert jobs == []
+            assert {s["scenario"] for s in suite.skipped} == {"vanilla", "vanilla-b", "idle",
+                                                               "hidden-last"}
+            assert all(s["reason"].startswith("does not fit: capture-graph needs at least")
+                       for s in suite.skipped)
+            assert all(i["error"].startswith("not started: does not fit")
+                       for i in suite.engines.values())
+        else:
+            assert len(jobs) == 1 and sorted(jobs[0]["engines"]) == sorted(
+                ["vanilla-graph-b", "capture-graph", "vanilla-graph"])
+
+
+def test_an_engine_cores_root_cause_joins_the_error_that_points_to_it(tmp_path, monkeypatch):
+    """vLLM's LLM() raises "...See root cause above." where its engine core failed to start: the
+    error recorded for the engine carries the core's last exception from the log."""
+    import importlib.util
+    import io
+
+    from vllm.utils.system_utils import _add_prefix
+
+    from benchmarks import run
+
+    source = Path(importlib.util.find_spec("vllm.v1.engine.utils").origin).read_text()
+    assert run.ROOT_CAUSE_ABOVE in source  # vLLM 0.26's own wording
+    out = io.StringIO()
+    for pid, line in [(7, "ERROR 12-06 17:20:01 [core.py:1] KeyError: 'earlier, another core'"),
+                      (8, "INFO 12-06 17:21:33 [gpu_worker.py:560] Available KV cache memory: -2.03 GiB"),
+                      (8, "ERROR 12-06 17:21:33 [core.py:1330] ValueError: No available memory "
+                          "for the cache blocks."),
+                      (8, "INFO 12-06 17:21:34 [core.py:1313] EngineCore: exiting")]:
+        f = io.StringIO()
+        _add_prefix(f, "EngineCore", pid)
+        f.write(line + "\n")
+        out.write(f.getvalue())
+    out.write("RuntimeError: Engine core initialization failed. See root cause above.\n")
+    cause = "ValueError: No available memory for the cache blocks."
+    assert run.engine_core_error(out.getvalue()) == cause
+    assert run.engine_core_error("INFO nothing failed\n") is None
+
+    raised = f"RuntimeError: Engine core initialization failed. {run.ROOT_CAUSE_ABOVE} Failed core proc(s): {{}}"
+
+    def worker(args, log, env, kill_at, on_line=None, events=None):
+        log.write_text(out.getvalue())
+        on_line({"engine": "vanilla-graph", "type": "engine", "init_s": 12.0})
+        on_line({"engine": "capture-graph", "type": "error", "error": raised})
+        return 1
+
+    monkeypatch.setattr(run, "run_subprocess", worker)
+    (tmp_path / "work").mkdir()
+    monkeypatch.setattr(run.tempfile, "mkdtemp", lambda prefix=None: str(tmp_path / "work"))
+    suite = run.Suite(run.parse_args(["--suite", "quick", "--scenarios", "vanilla,idle",
+                                      "--out", str(tmp_path)]))
+    bar = type("Bar", (), {"set_postfix_str": lambda *a: None, "update": lambda *a: None})()
+    suite.run_group(["vanilla-graph", "capture-graph"], tmp_path, [], suite.end, bar)
+    assert suite.engines["capture-graph"]["error"] == f"{raised} Root cause: {cause}"
+    assert suite.engines["vanilla-graph"]["error"] == "worker exited with 1"
+
+
 def test_cpu_groups_give_each_process_group_whole_cores_of_its_own():
     smt = [[c, c + 8] for c in range(8)]  # 8 physical cores, two threads each
     groups = S.cpu_groups(smt, 3)
