@@ -9,10 +9,16 @@ reuses the Triton kernels and Inductor code the first one compiled. So every kin
 cache root of its own (``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``):
 its first start is cold, its next start in the same order list is warm (what a user restarting
 an engine sees). Each start runs in a fresh process and times ``LLM(...)`` until it returns, CUDA
-graphs and torch.compile on (vLLM's defaults). Prints one line per start (a capture start also
-gives what capture's own parts took: its install at model load, its kernels' compile thread,
-graph capture's wait for that thread, and the graph copies) and the capture/vanilla ratios last;
-writes ``startup.json`` into ``--out``.
+graphs and torch.compile on (vLLM's defaults). Prints one line per start (the parts vLLM logs,
+``PHASES``; a capture start also gives what capture's own parts took: its install at model load,
+its kernels' compile thread, graph capture's wait for that thread, and the graph copies) and the
+capture/vanilla ratios last; writes ``startup.json`` and each start's whole log
+(``startup-logs/ROUND-KIND-CACHE.log.gz``) into ``--out``.
+
+The kernels' compile thread runs beside vLLM's own compile and is slow for it (1.5 s alone, 8 s
+beside a thread running Python, on the CPU VM; 6 to 8 s cold on the H100), but it does not slow
+the main thread: a thread spinning in Python beside it kept its pace. Graph capture waits for it
+(``kernel_wait``) 0.2 to 0.4 s cold.
 
 One start per case is within the host's noise (a cold vanilla start of the 1B shape took 53 to
 75 s across sessions), so ``--rounds N`` repeats the order N times, each round from new empty
@@ -23,6 +29,7 @@ are of the medians.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -38,8 +45,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 KINDS = ("vanilla", "capture")
-# What vLLM logs about the parts of a start (seconds), when it logs them.
+# What vLLM logs about the parts of a start (seconds, summed over the lines of a part), when it
+# logs them. compile_s holds dynamo_s (tracing, on the engine's main thread) and inductor_s (the
+# compiled pieces, one line per compile range): session 55's cold capture starts read compile_s
+# 1 to 6 s over vanilla's, which these two place.
 PHASES = {
+    "load_s": re.compile(r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) seconds"),
+    "dynamo_s": re.compile(r"Dynamo bytecode transform time: ([\d.]+) s"),
+    "inductor_s": re.compile(r"Compiling a graph for compile range .+? takes ([\d.]+) s"),
     "compile_s": re.compile(r"torch\.compile took ([\d.]+) s in total"),
     "graph_capture_s": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
     "engine_init_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
@@ -117,12 +130,17 @@ def main() -> int:
                  "process_s": round(time.perf_counter() - t, 3)}
         for name, pattern in PHASES.items():
             hit = pattern.findall(log)
-            start[name] = float(hit[-1]) if hit else None
+            start[name] = round(sum(map(float, hit)), 3) if hit else None
         parts = re.search(r"CAPTURE_STARTUP_MS (\{.*\})", proc.stdout)
         if parts:
             start["capture_parts_ms"] = json.loads(parts.group(1))
         if found is None:
             start["log_tail"] = log[-2000:]
+        if args.out:
+            logs = Path(args.out) / "startup-logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            with gzip.open(logs / f"{r}-{kind}-{start['cache']}.log.gz", "wt") as f:
+                f.write(log)
         starts.append(start)
         print(json.dumps(start), flush=True)
 

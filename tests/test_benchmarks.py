@@ -1742,9 +1742,18 @@ def test_startup_phases_match_the_log_lines_vllm_writes():
                           source("vllm.v1.engine.core")).group(1) % 41.25
     capture_line = re.search(r'"(Graph capturing finished in %\.0f secs, took %\.2f GiB)"',
                              source("vllm.v1.worker.gpu.model_runner")).group(1) % (3, 0.5)
-    log = f"INFO {compile_line}\nINFO {capture_line}\nINFO {init_line}\n"
+    load_line = re.search(r'"(Model loading took %s GiB and %\.6f seconds)"',
+                          source("vllm.v1.worker.gpu.model_runner")).group(1) % ("2.3", 4.5)
+    dynamo_line = re.search(r'"(Dynamo bytecode transform time: %\.2f s)"',
+                            source("vllm.compilation.backends")).group(1) % 6.25
+    range_line = re.search(r'"(Compiling a graph for compile range %s takes %\.2f s)"',
+                           source("vllm.compilation.backends")).group(1)
+    pieces = "".join(f"INFO {range_line % (r, s)}\n" for r, s in (("(1, 512)", 2.5), ("(513, 8192)", 1.25)))
+    log = (f"INFO {load_line}\nINFO {dynamo_line}\n{pieces}INFO {compile_line}\nINFO {capture_line}\n"
+           f"INFO {init_line}\n")
     found = {name: [float(v) for v in pattern.findall(log)] for name, pattern in startup.PHASES.items()}
-    assert found == {"compile_s": [12.5], "graph_capture_s": [3.0], "engine_init_s": [41.25]}
+    assert found == {"load_s": [4.5], "dynamo_s": [6.25], "inductor_s": [2.5, 1.25],
+                     "compile_s": [12.5], "graph_capture_s": [3.0], "engine_init_s": [41.25]}
 
 
 def test_reduction_fetch_checks_the_rows_it_fetches():
