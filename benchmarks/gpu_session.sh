@@ -49,7 +49,8 @@ compare() { local name=$1 model=$2; shift 2; python3 $G compare --run /tmp/$name
 # capture (last bit for bit), and V1's rows against V2's (--identical: bit for bit). Session 52
 # read V1 equal to V2 (every generate first queues all its requests, generate_together); before
 # that sessions 15, 19, 49 and 50 read them one bf16 step apart, and so did session 54, with the
-# traced last-row stores.
+# traced last-row stores; session 55 read them equal on one machine with the package before the
+# stores and after (so the stores do not make that step).
 v2_then_v1() {
   run llama_graph --model llama --mode graph
   compare llama_graph llama --max-rel 0.1
@@ -89,10 +90,9 @@ case "$SET" in
     v2_then_v1
     ;;
   v1-v2)
-    # v2_then_v1 alone (about 3 minutes on an H100). Whether V1's rows one bf16 step from V2's
-    # come with the traced stores: run it for the package before them too, on the same machine,
-    # e.g. `PACKAGE_AT=90a8f89 OUT=$OUT/before bash benchmarks/gpu_session.sh v1-v2` (carrying
-    # .bisect/90a8f89, see PACKAGE_AT above), then without PACKAGE_AT.
+    # v2_then_v1 alone (about 3 minutes on an H100), for one package against another on the
+    # same machine: e.g. `PACKAGE_AT=90a8f89 OUT=$OUT/before bash benchmarks/gpu_session.sh
+    # v1-v2` (carrying .bisect/90a8f89, see PACKAGE_AT above), then without PACKAGE_AT.
     v2_then_v1
     ;;
   last-rows)
@@ -358,7 +358,8 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     ;;
   startup)
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.
-    # (ROUNDS, the third argument: 1 by default; a round of the 1B shape takes about 4.5 minutes.)
+    # (ROUNDS, the third argument: 1 by default; a round of the 1B shape takes about 4.5 minutes,
+    # 3.7 on session 55's H100. Each start's whole log lands in $OUT/startup-logs/.)
     timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
     ;;
   bench-1b-paired)
