@@ -15,10 +15,12 @@ its kernels' compile thread, graph capture's wait for that thread, and the graph
 capture/vanilla ratios last; writes ``startup.json`` and each start's whole log
 (``startup-logs/ROUND-KIND-CACHE.log.gz``) into ``--out``.
 
-The kernels' compile thread runs beside vLLM's own compile and is slow for it (1.5 s alone, 8 s
-beside a thread running Python, on the CPU VM; 6 to 8 s cold on the H100), but it does not slow
-the main thread: a thread spinning in Python beside it kept its pace. Graph capture waits for it
-(``kernel_wait``) 0.2 to 0.4 s cold.
+The kernels' compile thread runs beside vLLM's own compile, which holds the GIL, and is slow for
+it (on the CPU VM 1.5 s alone, 8 s beside a thread spinning in Python; 6 to 8 s cold on the
+H100). What it takes from the main thread is at most about its own CPU time: on the CPU VM a
+spinning thread kept its pace beside it, and one that released the GIL at every item ran at 0.69
+of its pace for the 1.7 s the compile took. Graph capture waits for it (``kernel_wait``) 0.2 to
+0.4 s cold.
 
 One start per case is within the host's noise (a cold vanilla start of the 1B shape took 53 to
 75 s across sessions), so ``--rounds N`` repeats the order N times, each round from new empty
