@@ -2,7 +2,7 @@
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-prefill | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -23,6 +23,13 @@ python3 benchmarks/host_cpu.py | tee -a "$OUT/gpu.txt"
 # it (made here: `mkdir -p .bisect/C && git archive C vllm_capture | tar -x -C .bisect/C`, then
 # `carry: [".bisect"]`; git-ignored), else from this tree's git objects, whose history the device
 # may not hold.
+# PACKAGE_BEFORE=COMMIT (startup only): start a third kind, the capture engine with the package
+# carried in .bisect/COMMIT/, in the same rounds (startup.py --package-before).
+BEFORE_ARGS=
+if [ -n "${PACKAGE_BEFORE:-}" ]; then
+  [ -d "$PWD/.bisect/$PACKAGE_BEFORE/vllm_capture" ] || { echo "PACKAGE_BEFORE=$PACKAGE_BEFORE: .bisect/$PACKAGE_BEFORE/vllm_capture not carried"; exit 1; }
+  BEFORE_ARGS="--package-before $PWD/.bisect/$PACKAGE_BEFORE"
+fi
 if [ -n "${PACKAGE_AT:-}" ]; then
   T=/tmp/tree-$PACKAGE_AT; rm -rf "$T" && mkdir -p "$T"
   tar --exclude=./.git --exclude=./.bundle --exclude=./.bisect --exclude=./.venv -cf - . | tar -xf - -C "$T"
@@ -359,8 +366,11 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
   startup)
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.
     # (ROUNDS, the third argument: 1 by default; a round of the 1B shape takes about 4.5 minutes,
-    # 3.7 on session 55's H100. Each start's whole log lands in $OUT/startup-logs/.)
-    timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
+    # 3.7 on session 55's H100, and half as long again with PACKAGE_BEFORE. Each start's whole
+    # log lands in $OUT/startup-logs/.) Session 55 read cold 1.129 on an H100, the extra in
+    # torch.compile: `PACKAGE_BEFORE=90a8f89 ... startup 1b` tells whether the traced stores
+    # brought it (about 5.5 minutes a round).
+    timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} $BEFORE_ARGS --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
     ;;
   bench-1b-paired)
     # The 1B's last-token target: 80 reps of vanilla, idle and hidden-last side by side (about 8
@@ -422,6 +432,19 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
       --scenarios vanilla,${CONTROL_8B}idle,hidden-last,hidden-4l,heads-4l,heavy --reps 6 --budget-s 420 \
       --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 36
+    ;;
+  bench-8b-prefill)
+    # The traced last-row stores run in every compiled forward of a capture engine, idle
+    # included: a prefill step writes each token's row of every layer (to sink rows). The 8B's
+    # prefill-c64 (64 prompts of 2,048 tokens, 8 new; 8,192-token steps): idle and hidden-last
+    # against vanilla, the control where the card holds three 8B engines. The capture engine's
+    # KV cache is smaller by its buffers (8.4 GiB), and the 64 prompts need 16 GiB of it at once:
+    # where it holds fewer of them than vanilla's (the report's engines table gives both), that
+    # is part of the reading. (REPS, the second argument: 6 by default; not yet run, about 5
+    # minutes expected.)
+    python3 benchmarks/run.py --suite full --model 8b --workloads prefill-c64 \
+      --scenarios vanilla,${CONTROL_8B}idle,hidden-last --reps ${2:-6} --budget-s 420 --grace-s 20 \
+      ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 20
     ;;
   bench-8b-idle)
     # The 8B's idle engine against vanilla and the control: idle read 0.990-1.014 (session 10)

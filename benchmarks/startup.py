@@ -2,7 +2,7 @@
 """Engine start-up, vanilla against capture-installed, each from its own empty compile cache.
 
     python3 benchmarks/startup.py --model 1b [--order vanilla,capture,vanilla,capture] [--rounds N]
-        [--out DIR]
+        [--package-before DIR] [--out DIR]
 
 Start order decides who finds a warm cache: in one cache directory, the engine started second
 reuses the Triton kernels and Inductor code the first one compiled. So every kind gets a fresh
@@ -26,6 +26,12 @@ One start per case is within the host's noise (a cold vanilla start of the 1B sh
 75 s across sessions), so ``--rounds N`` repeats the order N times, each round from new empty
 caches and every second round in reverse (so neither kind always starts first), and the ratios
 are of the medians.
+
+``--package-before DIR`` adds a third kind, capture-before: the capture engine with the
+``vllm_capture/`` package in DIR (another commit's, e.g. ``git archive COMMIT vllm_capture``),
+first on its processes' path, started in the same rounds from caches of its own. Whether a
+change moved start-up is then read on one machine against one vanilla; each start records the
+package it ran (``package``).
 """
 
 from __future__ import annotations
@@ -46,7 +52,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-KINDS = ("vanilla", "capture")
+# capture-before: the capture engine with another commit's package (``--package-before``).
+KINDS = ("vanilla", "capture", "capture-before")
+# Where a capture-before start finds its package (the folder that holds its vllm_capture/).
+PACKAGE_DIR_ENV = "STARTUP_PACKAGE_DIR"
 # What vLLM logs about the parts of a start (seconds, summed over the lines of a part), when it
 # logs them. compile_s holds dynamo_s (tracing, on the engine's main thread) and inductor_s (the
 # compiled pieces, one line per compile range): session 55's cold capture starts read compile_s
@@ -67,15 +76,17 @@ def start_once(kind: str, folder: str, cpu: bool) -> float:
 
     import vllm_capture as vc
 
+    if kind != "vanilla":
+        print(f"CAPTURE_PACKAGE {Path(vc.__file__).parent}", flush=True)
     kw = dict(dtype="float32" if cpu else "bfloat16", max_model_len=1024, seed=0, max_num_seqs=64)
     if not cpu:
         kw.update(load_format="dummy", gpu_memory_utilization=0.4)
     else:
         kw["enforce_eager"] = True
     t = time.perf_counter()
-    llm = vc.LLM(folder, **kw) if kind == "capture" else LLM(folder, **kw)
+    llm = LLM(folder, **kw) if kind == "vanilla" else vc.LLM(folder, **kw)
     seconds = time.perf_counter() - t
-    if kind == "capture":
+    if kind != "vanilla":
         status = vc.capture_status(llm)
         parts = dict(status["startup_ms"])
         if status["graph_nodes"] is not None:
@@ -85,11 +96,32 @@ def start_once(kind: str, folder: str, cpu: bool) -> float:
     return seconds
 
 
+def over_vanilla(starts: list[dict]) -> dict[str, dict[str, float]]:
+    """Per capture kind and cache state, the median of its starts' seconds over vanilla's."""
+    def median(kind: str, cache: str) -> float | None:
+        seconds = [s["llm_s"] for s in starts
+                   if s["kind"] == kind and s["cache"] == cache and s["llm_s"] is not None]
+        return statistics.median(seconds) if seconds else None
+
+    ratios: dict[str, dict[str, float]] = {}
+    for kind in KINDS[1:]:
+        for cache in ("cold", "warm"):
+            ours, vanilla = median(kind, cache), median("vanilla", cache)
+            if ours is not None and vanilla is not None:
+                ratios.setdefault(kind, {})[cache] = ours / vanilla
+    return ratios
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="1b", help="a benchmarks.scenarios.MODELS key")
-    p.add_argument("--order", default="vanilla,capture,vanilla,capture",
-                   help="starts, in order; each kind's first start is cold, later ones warm")
+    p.add_argument("--order", default=None,
+                   help="starts, in order; each kind's first start is cold, later ones warm "
+                        "(default: vanilla,capture twice, with capture-before after each capture "
+                        "where --package-before is given)")
+    p.add_argument("--package-before", metavar="DIR",
+                   help="a folder holding another commit's vllm_capture/ (e.g. .bisect/COMMIT): "
+                        "its engine starts as the kind capture-before, in the same rounds")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the order, each time from new caches, every second time reversed")
     p.add_argument("--out", help="folder for startup.json")
@@ -97,12 +129,18 @@ def main() -> int:
     p.add_argument("--one", nargs=3, metavar=("KIND", "FOLDER", "DEVICE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
+        if os.environ.get(PACKAGE_DIR_ENV):
+            sys.path.insert(0, os.environ[PACKAGE_DIR_ENV])
         print(f"STARTUP_S {start_once(args.one[0], args.one[1], args.one[2] == 'cpu'):.3f}",
               flush=True)
         os._exit(0)  # engine threads can hang interpreter exit; the number is out
-    order = args.order.split(",")
-    if not order or not set(order) <= set(KINDS):
-        p.error(f"--order: a comma list of {'|'.join(KINDS)}")
+    before = Path(args.package_before).resolve() if args.package_before else None
+    if before is not None and not (before / "vllm_capture" / "__init__.py").is_file():
+        p.error(f"--package-before: {before} holds no vllm_capture/ package")
+    kinds = [k for k in KINDS if k != "capture-before" or before is not None]
+    order = (args.order or ",".join(kinds * 2)).split(",")
+    if not order or not set(order) <= set(kinds):
+        p.error(f"--order: a comma list of {'|'.join(kinds)} (capture-before needs --package-before)")
     from benchmarks import scenarios as S
     from benchmarks.run import has_cuda, prepare_model
 
@@ -120,6 +158,10 @@ def main() -> int:
         cache = work / f"cache-{kind}-{r}"
         env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "vllm"),
                    TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+        if kind == "capture-before":
+            # First on the path of this process and of the engine's (which inherit PYTHONPATH).
+            env[PACKAGE_DIR_ENV] = str(before)
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (str(before), env.get("PYTHONPATH")) if x)
         cold = not cache.exists()
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--one", kind, folder, "cpu" if cpu else "cuda"],
@@ -136,6 +178,9 @@ def main() -> int:
         parts = re.search(r"CAPTURE_STARTUP_MS (\{.*\})", proc.stdout)
         if parts:
             start["capture_parts_ms"] = json.loads(parts.group(1))
+        package = re.search(r"CAPTURE_PACKAGE (.+)", proc.stdout)
+        if package:
+            start["package"] = package.group(1).strip()
         if found is None:
             start["log_tail"] = log[-2000:]
         if args.out:
@@ -146,20 +191,18 @@ def main() -> int:
         starts.append(start)
         print(json.dumps(start), flush=True)
 
-    ratios = {}
-    for cache in ("cold", "warm"):
-        by_kind = {k: [s["llm_s"] for s in starts if s["kind"] == k and s["cache"] == cache
-                       and s["llm_s"] is not None] for k in KINDS}
-        if all(by_kind.values()):
-            ratios[cache] = statistics.median(by_kind["capture"]) / statistics.median(by_kind["vanilla"])
-    result = {"model": args.model, "order": order, "rounds": args.rounds, "starts": starts,
-              "capture_over_vanilla": ratios}
+    ratios = over_vanilla(starts)
+    result = {"model": args.model, "order": order, "rounds": args.rounds,
+              "package_before": str(before) if before else None, "starts": starts,
+              "capture_over_vanilla": ratios.get("capture", {}),
+              "capture_before_over_vanilla": ratios.get("capture-before", {})}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "startup.json").write_text(json.dumps(result, indent=1))
-    for cache, ratio in ratios.items():
-        verdict = "PASS" if ratio <= 1.1 else "FAIL"
-        print(f"{verdict}  {cache} start-up, capture / vanilla <= 1.1: {ratio:.3f}")
+    for kind, by_cache in ratios.items():
+        for cache, ratio in by_cache.items():
+            verdict = "PASS" if ratio <= 1.1 else "FAIL"
+            print(f"{verdict}  {cache} start-up, {kind} / vanilla <= 1.1: {ratio:.3f}")
     return 0 if all(s["llm_s"] is not None for s in starts) else 1
 
 

@@ -1756,6 +1756,31 @@ def test_startup_phases_match_the_log_lines_vllm_writes():
                      "compile_s": [12.5], "graph_capture_s": [3.0], "engine_init_s": [41.25]}
 
 
+def test_startup_ratios_are_each_capture_kinds_median_over_vanillas():
+    from benchmarks import startup
+
+    def start(kind, cache, seconds):
+        return {"kind": kind, "cache": cache, "llm_s": seconds}
+
+    starts = [start("vanilla", "cold", 50.0), start("capture", "cold", 60.0),
+              start("capture-before", "cold", 52.0), start("vanilla", "cold", 56.0),
+              start("capture", "cold", 64.0), start("capture-before", "cold", None),
+              start("vanilla", "warm", 10.0), start("capture", "warm", 9.0)]
+    got = startup.over_vanilla(starts)
+    assert got == {"capture": {"cold": pytest.approx(62.0 / 53.0), "warm": pytest.approx(0.9)},
+                   "capture-before": {"cold": pytest.approx(52.0 / 53.0)}}
+
+
+def test_startup_package_before_must_hold_the_package(tmp_path):
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "startup.py"
+    proc = subprocess.run([sys.executable, str(script), "--package-before", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--package-before" in proc.stderr
+    assert "holds no vllm_capture/ package" in proc.stderr
+
+
 def test_reduction_fetch_checks_the_rows_it_fetches():
     """benchmarks/reduction_fetch.py drives the worker's last-token fetch path without an engine
     and stops if a fetched row is not the last step's activation."""
