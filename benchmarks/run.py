@@ -894,7 +894,7 @@ class Suite:
         bar.close()
 
     def skip_group(self, group: list[str], plan, reason: str) -> None:
-        """Record ``group``'s engines as not started and its scenarios as skipped, for ``reason``."""
+        """Record ``group``'s engines as not started and its scenarios as skipped for ``reason``."""
         for w, scens in plan:
             self.skipped += [{"engine": s.engine, "workload": w.name, "scenario": s.name,
                               "reason": reason} for s in scens]

@@ -140,7 +140,8 @@ def main() -> int:
     kinds = [k for k in KINDS if k != "capture-before" or before is not None]
     order = (args.order or ",".join(kinds * 2)).split(",")
     if not order or not set(order) <= set(kinds):
-        p.error(f"--order: a comma list of {'|'.join(kinds)} (capture-before needs --package-before)")
+        p.error(f"--order: a comma list of {'|'.join(kinds)} "
+                "(capture-before needs --package-before)")
     from benchmarks import scenarios as S
     from benchmarks.run import has_cuda, prepare_model
 
@@ -161,7 +162,8 @@ def main() -> int:
         if kind == "capture-before":
             # First on the path of this process and of the engine's (which inherit PYTHONPATH).
             env[PACKAGE_DIR_ENV] = str(before)
-            env["PYTHONPATH"] = os.pathsep.join(x for x in (str(before), env.get("PYTHONPATH")) if x)
+            env["PYTHONPATH"] = os.pathsep.join(
+                x for x in (str(before), env.get("PYTHONPATH")) if x)
         cold = not cache.exists()
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--one", kind, folder, "cpu" if cpu else "cuda"],

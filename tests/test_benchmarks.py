@@ -262,7 +262,8 @@ def test_an_engine_cores_root_cause_joins_the_error_that_points_to_it(tmp_path, 
     assert run.ROOT_CAUSE_ABOVE in source  # vLLM 0.26's own wording
     out = io.StringIO()
     for pid, line in [(7, "ERROR 12-06 17:20:01 [core.py:1] KeyError: 'earlier, another core'"),
-                      (8, "INFO 12-06 17:21:33 [gpu_worker.py:560] Available KV cache memory: -2.03 GiB"),
+                      (8, "INFO 12-06 17:21:33 [gpu_worker.py:560] Available KV cache memory: "
+                          "-2.03 GiB"),
                       (8, "ERROR 12-06 17:21:33 [core.py:1330] ValueError: No available memory "
                           "for the cache blocks."),
                       (8, "INFO 12-06 17:21:34 [core.py:1313] EngineCore: exiting")]:
@@ -275,7 +276,8 @@ def test_an_engine_cores_root_cause_joins_the_error_that_points_to_it(tmp_path, 
     assert run.engine_core_error(out.getvalue()) == cause
     assert run.engine_core_error("INFO nothing failed\n") is None
 
-    raised = f"RuntimeError: Engine core initialization failed. {run.ROOT_CAUSE_ABOVE} Failed core proc(s): {{}}"
+    raised = (f"RuntimeError: Engine core initialization failed. {run.ROOT_CAUSE_ABOVE} "
+              "Failed core proc(s): {}")
 
     def worker(args, log, env, kill_at, on_line=None, events=None):
         log.write_text(out.getvalue())
@@ -1748,9 +1750,10 @@ def test_startup_phases_match_the_log_lines_vllm_writes():
                             source("vllm.compilation.backends")).group(1) % 6.25
     range_line = re.search(r'"(Compiling a graph for compile range %s takes %\.2f s)"',
                            source("vllm.compilation.backends")).group(1)
-    pieces = "".join(f"INFO {range_line % (r, s)}\n" for r, s in (("(1, 512)", 2.5), ("(513, 8192)", 1.25)))
-    log = (f"INFO {load_line}\nINFO {dynamo_line}\n{pieces}INFO {compile_line}\nINFO {capture_line}\n"
-           f"INFO {init_line}\n")
+    pieces = "".join(f"INFO {range_line % (r, s)}\n"
+                     for r, s in (("(1, 512)", 2.5), ("(513, 8192)", 1.25)))
+    log = (f"INFO {load_line}\nINFO {dynamo_line}\n{pieces}INFO {compile_line}\n"
+           f"INFO {capture_line}\nINFO {init_line}\n")
     found = {name: [float(v) for v in pattern.findall(log)] for name, pattern in startup.PHASES.items()}
     assert found == {"load_s": [4.5], "dynamo_s": [6.25], "inductor_s": [2.5, 1.25],
                      "compile_s": [12.5], "graph_capture_s": [3.0], "engine_init_s": [41.25]}
