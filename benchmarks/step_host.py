@@ -73,7 +73,7 @@ def capture_session(layers: int, width: int, requests: int, reduce: str,
         state.add_site(HS, layer, f"model.layers.{layer}", width, torch.bfloat16)
     state.allocate()
     state.set_input_ids(torch.zeros(capacity, dtype=torch.int32, device=device))
-    state.await_kernels()  # the compile thread (on a GPU) would contend with the measurement
+    state.await_kernels()  # the compile process (on a GPU) would contend with the measurement
     session = CaptureSession(state, {HS: {}})
     session.enable_stream(HS, reduce=reduce)
     return state, session

@@ -17,6 +17,7 @@ one missing its residual) is detected.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import random
@@ -2218,28 +2219,44 @@ def test_runners_switch_the_device_plan_off_before_forwards_that_are_not_steps(r
     assert runner.mode() == L.MODE_LAST
 
 
-def test_kernels_compile_on_a_thread_and_load_before_the_first_launch(monkeypatch):
-    """On CUDA the kernel variants compile on a thread while vLLM compiles the model (only
-    dtypes, no device work); the first launch (graph capture, or an eager step) waits for them
-    on its own thread and loads each variant there; a compile error surfaces at that wait."""
+def test_kernels_compile_in_a_process_and_load_before_the_first_launch(monkeypatch, caplog):
+    """On CUDA the kernel variants start compiling in a child process at set_input_ids (only
+    dtypes and the device's target); the first launch (graph capture, or an eager step) waits
+    for the child, then loads each variant from the child's Triton cache; a failed child is
+    warned about and the loads compile the variants themselves."""
     import vllm_capture.capture_graph.state as state_module
     from vllm_capture.capture_graph.state import Site
 
-    release = threading.Event()
     calls = []
 
-    def compile_variants(device, dtypes, *, ids_dtypes):
-        calls.append(("compile", threading.current_thread().name, list(dtypes), ids_dtypes))
-        assert release.wait(5)
-        if dtypes == ["boom"]:
-            raise RuntimeError("ptxas failed")
-        return len(dtypes)
+    class FakeChild:
+        def __init__(self, failure):
+            self.failure, self.seconds, self.in_cache = failure, None, False
+
+        def wait(self):
+            calls.append(("wait",))
+            self.seconds = 1.5
+            return self.failure
+
+        @contextlib.contextmanager
+        def cache(self):
+            self.in_cache = True
+            yield
+            self.in_cache = False
+
+    children = []
+
+    def start(target, dtypes, ids_dtypes):
+        calls.append(("start", target, list(dtypes), tuple(ids_dtypes)))
+        children.append(FakeChild("exit status 1: ptxas failed" if "boom" in dtypes else None))
+        return children[-1]
 
     def warmup(device, dtypes, *, ids_dtypes):
-        calls.append(("load", threading.current_thread().name, list(dtypes), ids_dtypes))
+        calls.append(("load", list(dtypes), ids_dtypes, children[-1].in_cache))
         return len(dtypes)
 
-    monkeypatch.setattr(state_module, "compile_variants", compile_variants)
+    monkeypatch.setattr(state_module.compile_process, "current_target", lambda device: "sm90")
+    monkeypatch.setattr(state_module.compile_process, "start", start)
     monkeypatch.setattr(state_module, "warmup", warmup)
 
     def cuda_state(*dtypes):
@@ -2250,26 +2267,21 @@ def test_kernels_compile_on_a_thread_and_load_before_the_first_launch(monkeypatc
 
     state = cuda_state(torch.bfloat16, torch.float32, torch.bfloat16)
     state.set_input_ids(torch.zeros(4, dtype=torch.int64))
-    time.sleep(0.05)
-    # set_input_ids returned while the compile is still running, elsewhere
-    assert calls == [("compile", calls[0][1], [torch.bfloat16, torch.float32], (torch.int64,))]
-    assert calls[0][1] != threading.current_thread().name
-    release.set()
+    assert calls == [("start", "sm90", [torch.bfloat16, torch.float32], (torch.int64,))]
     state.await_kernels()
-    me = threading.current_thread().name
-    assert calls[1:] == [("load", me, [torch.bfloat16], (torch.int64,)),
-                         ("load", me, [torch.float32], (torch.int64,))]
-    assert set(state.startup_ms) == {"kernel_compile", "kernel_wait"}
+    assert calls[1:] == [("wait",), ("load", [torch.bfloat16], (torch.int64,), True),
+                         ("load", [torch.float32], (torch.int64,), True)]
+    assert state.startup_ms["kernel_compile"] == 1500.0 and "kernel_wait" in state.startup_ms
     state.await_kernels()  # once only
-    assert len(calls) == 3
+    assert len(calls) == 4
+    assert not caplog.records
 
-    release.clear()
     state = cuda_state("boom")
     state.set_input_ids(torch.zeros(4, dtype=torch.int32))
-    release.set()
-    with pytest.raises(RuntimeError, match="ptxas failed"):
+    with caplog.at_level("WARNING", logger="vllm_capture"):
         state.await_kernels()
-    assert calls[-1][0] == "compile"  # nothing loaded
+    assert "ptxas failed" in caplog.text and "compiling them in the engine" in caplog.text
+    assert calls[-1] == ("load", ["boom"], (torch.int32,), True)  # the load compiles
 
 
 @pytest.mark.parametrize("runner_class", [_FakeV1Runner, _FakeV2Runner])

@@ -19,9 +19,9 @@ upload, not a copy and a store append.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,8 +30,10 @@ import torch
 from vllm_capture.capture_graph import graph_nodes
 from vllm_capture.capture_graph.last_rows import LastRowPlan
 from vllm_capture.capture_graph.uploads import upload
-from vllm_capture.kernels import compile_variants, launch_capture, warmup
+from vllm_capture.kernels import compile_process, launch_capture, warmup
 from vllm_capture.kernels import layout as L
+
+logger = logging.getLogger("vllm_capture")
 
 
 @dataclass
@@ -156,16 +158,17 @@ class CaptureGraphState:
     # The capture kernels' nodes in captured CUDA graphs, left out of replays while their site
     # is off (CUDA only; see graph_nodes).
     nodes: graph_nodes.GraphNodes | None = None
-    # What preparing the kernels took (ms): compiling on a thread, and what the first launch
-    # waited for (the thread's end, then loading each variant).
+    # What preparing the kernels took (ms): the compile process from its start to its end, and
+    # what the first launch waited for (that end, then loading each variant).
     startup_ms: dict[str, float] = field(default_factory=dict)
-    _compiling: Future | None = None
+    _compiling: compile_process.CompileProcess | None = None
     _copy_stream: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self):
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
-            # The kernels compile on a thread, whose current device is not the caller's.
+            # The device current now, by index: what the kernels are compiled for and launched
+            # on, whichever device is current later.
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     # ---- set-up (model load time) -------------------------------------------------------------
@@ -278,8 +281,9 @@ class CaptureGraphState:
         """The runner's persistent token-id buffer; the kernels read row labels from it.
 
         Then the kernel variants this model needs (one per site dtype, with and without a
-        residual, for this token-id dtype) start compiling on a thread: vLLM compiles the model
-        meanwhile, and :meth:`await_kernels` waits for them before the first launch.
+        residual, for this token-id dtype) start compiling in a child process
+        (``kernels.compile_process``): vLLM compiles the model meanwhile, and
+        :meth:`await_kernels` waits for them before the first launch.
         """
         for component, plan in self.last_row_plans.items():
             if input_ids.shape[0] > plan.dest.shape[0]:
@@ -288,30 +292,30 @@ class CaptureGraphState:
                                  f"{plan.dest.shape[0]} its last-row plan was sized for")
         self.input_ids = input_ids
         if self.device.type == "cuda":
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-capture-compile")
-            self._compiling = pool.submit(self._compile_kernels)
-            pool.shutdown(wait=False)
+            self._compiling = compile_process.start(compile_process.current_target(self.device),
+                                                    self.site_dtypes, (input_ids.dtype,))
 
     @property
     def site_dtypes(self) -> list[torch.dtype]:
         return sorted({s.dtype for s in self.sites.values()}, key=str)
 
-    def _compile_kernels(self) -> None:
-        started = time.perf_counter()
-        compile_variants(self.device, self.site_dtypes, ids_dtypes=(self.input_ids.dtype,))
-        self.startup_ms["kernel_compile"] = round((time.perf_counter() - started) * 1e3, 1)
-
     def await_kernels(self) -> None:
-        """Before the first launch (graph capture, or an eager step): wait for the compile thread
-        (raising what it raised), then launch each variant once on dummy buffers, which loads it
-        into the CUDA context; a graph being captured must not see that happen."""
+        """Before the first launch (graph capture, or an eager step): wait for the compile
+        process, then launch each variant once on dummy buffers, which loads it from Triton's
+        cache into the CUDA context (a graph being captured must not see that happen). Where
+        the process failed, that launch compiles the variant here, after a warning."""
         if self._compiling is None:
             return
         started = time.perf_counter()
         compiling, self._compiling = self._compiling, None
-        compiling.result()
-        for dtype in self.site_dtypes:  # one at a time: warmup crosses the dtypes it is given
-            warmup(self.device, [dtype], ids_dtypes=(self.input_ids.dtype,))
+        failure = compiling.wait()
+        self.startup_ms["kernel_compile"] = round(compiling.seconds * 1e3, 1)
+        if failure is not None:
+            logger.warning("vllm-capture: the capture kernels' compile process failed (%s); "
+                           "compiling them in the engine instead", failure)
+        with compiling.cache():
+            for dtype in self.site_dtypes:  # one at a time: warmup crosses the dtypes it is given
+                warmup(self.device, [dtype], ids_dtypes=(self.input_ids.dtype,))
         self.startup_ms["kernel_wait"] = round((time.perf_counter() - started) * 1e3, 1)
 
     def set_enabled(self, component: str, layers: set[int] | None, last: bool = False) -> None:

@@ -48,7 +48,7 @@ def _switch_off_before_unplanned_forwards(runner, session) -> None:
             session.switch_off()
             if _capture:
                 # Graph capture records the kernels' first launches: they must be compiled and
-                # loaded by then (they compile on a thread while vLLM compiles the model).
+                # loaded by then (they compile in a child process while vLLM compiles the model).
                 session.await_kernels()
             return _method(*args, **kwargs)
 

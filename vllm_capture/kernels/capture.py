@@ -343,7 +343,8 @@ def kernel_arguments(x, residual, input_ids, plan_meta, plan, site, ring, ring_l
     args = (x, res, ids, plan_meta, plan, site, ring, ring_labels, acc, acc_labels, acc_count,
             T, W, cap, ring_rows, n_acc, n_ids, SPEC_ROWS,
             x.stride(0), x.stride(1), stride_rt, stride_rw, stride_ids)
-    return capture_grid(T, W, cap, entries), args, dict(HAS_RES=has_res, UNIT_W=unit_w, **_tile())
+    constexprs = dict(HAS_RES=has_res, UNIT_W=unit_w, **kernel_tile())
+    return capture_grid(T, W, cap, entries), args, constexprs
 
 
 #: The kernel's compile-time parameters, in its signature's order (after the 23 run-time ones).
@@ -403,31 +404,31 @@ def launch_kernel(grid: tuple[int, int], args: tuple, constexprs: dict) -> None:
                *args, *(constexprs[name] for name in CONSTEXPR_PARAMS))
 
 
-def _tile() -> dict:
+def kernel_tile() -> dict:
     """The kernel's compile-time tile (read at each call: benchmarks set the module's values)."""
     return dict(BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, SHORT=MEAN_SHORT,
                 num_warps=NUM_WARPS)
 
 
 def compile_variants(
-    device: torch.device | str,
     dtypes: Iterable[torch.dtype],
     *,
     ids_dtypes: Iterable[torch.dtype] = (torch.int32, torch.int64),
     residual: Iterable[bool] = (False, True),
+    tile: dict | None = None,
 ) -> int:
     """Compile, without launching, the variants :func:`warmup` launches with unit column stride
-    (activations of the ring's dtype); returns how many.
+    (activations of the ring's dtype) for Triton's current device; returns how many.
 
     Only dtypes are passed (Triton's ``JITFunction.warmup``): no device memory, no stream work.
-    So this can run on a thread while vLLM compiles the model, and :func:`warmup` afterwards
-    finds every variant compiled and only loads it. A no-op (returns 0) off CUDA or without
+    So this runs where no CUDA context is (``compile_process``, for the target Triton's active
+    driver names), and :func:`warmup` afterwards finds every variant in Triton's cache and only
+    loads it. ``tile``: the kernel's tile, default :func:`kernel_tile`. A no-op (returns 0) without
     Triton.
     """
-    device = torch.device(device)
-    if not HAVE_TRITON or device.type != "cuda":
+    if not HAVE_TRITON:
         return 0
-    torch.cuda.set_device(device)  # Triton compiles for, and caches under, the current device
+    tile = tile or kernel_tile()
     i32, f32 = torch.int32, torch.float32
     compiled = 0
     for dtype in dict.fromkeys(dtypes):
@@ -439,7 +440,7 @@ def compile_variants(
                 capture_site_kernel.warmup(
                     dtype, dtype, ids_dtype, i32, i32, i32, dtype, i32, f32, i32, i32,
                     *[1] * len(_SIZE_ARGS),
-                    HAS_RES=has_res, UNIT_W=True, **_tile(), grid=(1, 1))
+                    HAS_RES=has_res, UNIT_W=True, **tile, grid=(1, 1))
                 compiled += 1
     return compiled
 

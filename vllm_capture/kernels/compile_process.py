@@ -1,0 +1,148 @@
+"""The capture kernel's variants compiled in a child process, into Triton's cache on disk.
+
+Why a process: the variants compile while vLLM traces and compiles the model on the engine's
+main thread. On a thread, the two shared one interpreter lock: the compile took 6 to 8 s cold
+beside vLLM's (1.5 s alone), and vLLM's Dynamo tracing of the 8B took 9.0 s against vanilla's
+5.6 (session 55, H100). A child compiles on a core of its own for the parent's GPU target
+without touching CUDA (no context, no device memory for vLLM's memory profiling to see), writes
+Triton's cache, and the parent's first launch (``warmup``) loads each variant from there.
+
+    python -m vllm_capture.kernels.compile_process --target cuda:90:32 --dtypes bfloat16 \
+        --ids-dtypes int64 --tile '{"BLOCK_R": 16, ...}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from vllm_capture.kernels import capture
+
+# The child's stderr kept for the parent's warning when it fails.
+STDERR_TAIL = 2000
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtypes/--ids-dtypes: {name!r} is not a torch dtype")
+    return dtype
+
+
+class TargetOnlyDriver:
+    """A Triton driver that knows the GPU target and nothing else: enough for
+    ``JITFunction.warmup`` to compile (which asks for the current device, stream and target),
+    never to launch."""
+
+    def __init__(self, backend: str, arch: int, warp_size: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget(backend, arch, warp_size)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def target_spec(target) -> str:
+    """``backend:arch:warp_size`` of a Triton ``GPUTarget`` (what ``--target`` takes)."""
+    return f"{target.backend}:{target.arch}:{target.warp_size}"
+
+
+@dataclass
+class CompileProcess:
+    """A started child; :meth:`wait` ends it."""
+
+    process: subprocess.Popen
+    cache_dir: str  # Triton's cache dir the child writes (the parent's at start)
+    started: float = field(default_factory=time.perf_counter)
+    seconds: float | None = None  # from start to the child's end
+
+    def wait(self) -> str | None:
+        """None once the child compiled every variant, else why not (its exit status and the
+        tail of its stderr)."""
+        _, err = self.process.communicate()
+        self.seconds = time.perf_counter() - self.started
+        if self.process.returncode != 0:
+            return (f"exit status {self.process.returncode}: "
+                    f"{err.decode(errors='replace')[-STDERR_TAIL:].strip()}")
+        return None
+
+    @contextmanager
+    def cache(self) -> Iterator[None]:
+        """Triton's cache as the child saw it, for the parent's loads: vLLM points
+        ``TRITON_CACHE_DIR`` at its own compile cache after the child started."""
+        import triton
+
+        with triton.knobs.cache.scope():
+            triton.knobs.cache.dir = self.cache_dir
+            yield
+
+
+def current_target(device: torch.device):
+    """The Triton ``GPUTarget`` of ``device`` (what the parent's launches compile for)."""
+    import triton
+
+    with torch.cuda.device(device):
+        return triton.runtime.driver.active.get_current_target()
+
+
+def start(target, dtypes: Iterable[torch.dtype],
+          ids_dtypes: Iterable[torch.dtype]) -> CompileProcess:
+    """Start compiling the variants of ``dtypes`` x ``ids_dtypes`` x (residual or not) for
+    ``target`` (:func:`current_target`), with the kernel's tile of now, into Triton's cache
+    dir of now, in a child that imports this package from where the parent did."""
+    import triton
+
+    cache_dir = triton.knobs.cache.dir
+    package_root = str(Path(__file__).resolve().parents[2])
+    # No GPU in the child, so nothing there can make a CUDA context by accident; and a real
+    # compile, where a test process runs the kernels in Triton's interpreter.
+    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
+                                          if p))
+    env.pop("TRITON_INTERPRET", None)
+    argv = [sys.executable, "-m", __name__, "--target", target_spec(target),
+            "--dtypes", *(_dtype_name(d) for d in dtypes),
+            "--ids-dtypes", *(_dtype_name(d) for d in ids_dtypes),
+            "--tile", json.dumps(capture.kernel_tile())]
+    process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return CompileProcess(process, cache_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="backend:arch:warp_size, e.g. cuda:90:32")
+    p.add_argument("--dtypes", nargs="+", required=True, type=_dtype)
+    p.add_argument("--ids-dtypes", nargs="+", required=True, type=_dtype)
+    p.add_argument("--tile", required=True, type=json.loads, help="the kernel's tile, as JSON")
+    args = p.parse_args(argv)
+    backend, arch, warp_size = args.target.split(":")
+    from triton.runtime.driver import driver
+
+    driver.set_active(TargetOnlyDriver(backend, int(arch), int(warp_size)))
+    capture.compile_variants(args.dtypes, ids_dtypes=args.ids_dtypes, tile=args.tile)
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
