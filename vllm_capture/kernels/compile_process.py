@@ -74,14 +74,15 @@ class CompileProcess:
 
     process: subprocess.Popen
     cache_dir: str  # Triton's cache dir the child writes (the parent's at start)
-    started: float = field(default_factory=time.perf_counter)
-    seconds: float | None = None  # from start to the child's end
+    started: float = field(default_factory=time.time)
+    seconds: float | None = None  # from start to the child's end (the child prints its end)
 
     def wait(self) -> str | None:
         """None once the child compiled every variant, else why not (its exit status and the
         tail of its stderr)."""
-        _, err = self.process.communicate()
-        self.seconds = time.perf_counter() - self.started
+        out, err = self.process.communicate()
+        ended = out.decode(errors="replace").strip()
+        self.seconds = (float(ended) if ended else time.time()) - self.started
         if self.process.returncode != 0:
             return (f"exit status {self.process.returncode}: "
                     f"{err.decode(errors='replace')[-STDERR_TAIL:].strip()}")
@@ -126,7 +127,7 @@ def start(target, dtypes: Iterable[torch.dtype],
             "--ids-dtypes", *(_dtype_name(d) for d in ids_dtypes),
             "--tile", json.dumps(capture.kernel_tile())]
     process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return CompileProcess(process, cache_dir)
 
 
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     driver.set_active(TargetOnlyDriver(backend, int(arch), int(warp_size)))
     capture.compile_variants(args.dtypes, ids_dtypes=args.ids_dtypes, tile=args.tile)
+    print(time.time())  # when it ended, for the parent's seconds
     return 0
 
 if __name__ == "__main__":
