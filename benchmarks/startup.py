@@ -11,16 +11,15 @@ its first start is cold, its next start in the same order list is warm (what a u
 an engine sees). Each start runs in a fresh process and times ``LLM(...)`` until it returns, CUDA
 graphs and torch.compile on (vLLM's defaults). Prints one line per start (the parts vLLM logs,
 ``PHASES``; a capture start also gives what capture's own parts took: its install at model load,
-its kernels' compile thread, graph capture's wait for that thread, and the graph copies) and the
-capture/vanilla ratios last; writes ``startup.json`` and each start's whole log
+its kernels' compile (``kernel_compile``: the child process from start to end), graph capture's
+wait for it and loads (``kernel_wait``), and the graph copies) and the capture/vanilla ratios
+last; writes ``startup.json`` and each start's whole log
 (``startup-logs/ROUND-KIND-CACHE.log.gz``) into ``--out``.
 
-The kernels' compile thread runs beside vLLM's own compile, which holds the GIL, and is slow for
-it (on the CPU VM 1.5 s alone, 8 s beside a thread spinning in Python; 6 to 8 s cold on the
-H100). What it takes from the main thread is at most about its own CPU time: on the CPU VM a
-spinning thread kept its pace beside it, and one that released the GIL at every item ran at 0.69
-of its pace for the 1.7 s the compile took. Graph capture waits for it (``kernel_wait``) 0.2 to
-0.4 s cold.
+Before b635ec6 the kernels compiled on a thread beside vLLM's own compile, sharing the GIL with
+it: 6 to 8 s cold on the H100 (1.5 s alone), graph capture waiting 0.2 to 0.4 s for it, and
+Dynamo's tracing slower beside it (``benchmarks/compile_beside_tracing.py``: 28% on the CPU VM).
+``--package-before`` with the package before b635ec6 compares the two in the same rounds.
 
 One start per case is within the host's noise (a cold vanilla start of the 1B shape took 53 to
 75 s across sessions), so ``--rounds N`` repeats the order N times, each round from new empty
