@@ -366,10 +366,10 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
   startup)
     # Engine start-up, vanilla vs capture, each kind from its own empty compile cache, then warm.
     # (ROUNDS, the third argument: 1 by default; a round of the 1B shape takes about 4.5 minutes,
-    # 3.7 on session 55's H100, half as long again with PACKAGE_BEFORE. Each start's whole log
-    # lands in $OUT/startup-logs/.) Session 55 read cold 1.129 on an H100, the extra in
-    # torch.compile: `PACKAGE_BEFORE=90a8f89 ... startup 1b` tells whether the traced stores
-    # brought it.
+    # 3.7 on session 55's H100, half as long again with PACKAGE_BEFORE: 300 s on session 56's
+    # H200. Each start's whole log lands in $OUT/startup-logs/.) Session 55 read cold 1.129 on an
+    # H100, the extra in torch.compile: `PACKAGE_BEFORE=90a8f89 ... startup 1b` tells whether the
+    # traced stores brought it. Session 56's H200: cold 1.013, warm 1.143 (one round).
     timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} $BEFORE_ARGS --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
     ;;
   bench-1b-paired)
