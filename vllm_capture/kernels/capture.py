@@ -423,8 +423,8 @@ def compile_variants(
     Only dtypes are passed (Triton's ``JITFunction.warmup``): no device memory, no stream work.
     So this runs where no CUDA context is (``compile_process``, for the target Triton's active
     driver names), and :func:`warmup` afterwards finds every variant in Triton's cache and only
-    loads it. ``tile``: the kernel's tile, default :func:`kernel_tile`. A no-op (returns 0) without
-    Triton.
+    loads it. ``tile``: the kernel's tile, default :func:`kernel_tile`. A no-op (returns 0)
+    without Triton.
     """
     if not HAVE_TRITON:
         return 0

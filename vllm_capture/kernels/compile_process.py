@@ -2,10 +2,13 @@
 
 Why a process: the variants compile while vLLM traces and compiles the model on the engine's
 main thread. On a thread, the two shared one interpreter lock: the compile took 6 to 8 s cold
-beside vLLM's (1.5 s alone), and vLLM's Dynamo tracing of the 8B took 9.0 s against vanilla's
-5.6 (session 55, H100). A child compiles on a core of its own for the parent's GPU target
-without touching CUDA (no context, no device memory for vLLM's memory profiling to see), writes
-Triton's cache, and the parent's first launch (``warmup``) loads each variant from there.
+beside vLLM's (1.5 s alone; H100, session 55), Dynamo's tracing took 28% longer beside it on
+the CPU VM (``benchmarks/compile_beside_tracing.py``; the 1B on the H200: 3.85 s against 3.48 s
+beside the child), and Triton's ``ast.parse`` once failed beside it (CPython 3.11's AST
+recursion counter is not safe across threads). A child compiles on a core of its own for the
+parent's GPU target without touching CUDA (no context, no device memory for vLLM's memory
+profiling to see), writes Triton's cache, and the parent's first launch (``warmup``) loads each
+variant from there.
 
     python -m vllm_capture.kernels.compile_process --target cuda:90:32 --dtypes bfloat16 \
         --ids-dtypes int64 --tile '{"BLOCK_R": 16, ...}'
