@@ -1831,7 +1831,9 @@ def test_step_host_first_steps_time_each_of_a_generates_first_steps():
     steps = out["step_us"]
     assert list(steps) == ["prefill0", "prefill1", "decode0", "decode1", "decode2", "decode3"]
     assert all(v > 0 for v in steps.values())
-    assert out["first_steps_us"] == pytest.approx(sum(steps.values()), abs=0.2)
+    # each step's median and the sum are rounded to 0.1 us apiece: up to 0.05 off each
+    assert out["first_steps_us"] == pytest.approx(sum(steps.values()),
+                                                  abs=0.05 * (len(steps) + 1) + 1e-9)
     assert "_open_tracks" in out["cprofile"]  # the prefill step opens the new requests' tracks
 
 
