@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Step 3 of the H200 recipe, the same in every session: unpack the vLLM bundle (once per warm
 # machine), then run one named batch of GPU work, logging to $OUT and printing a short table last.
+# A call carries at most 64 MiB with the tree (24 MB in session 56), and build.sh's parts are 60
+# MiB: carry four smaller ones (`cd .bundle && cat part-* > /tmp/b.xz && rm part-* && split -b 36M
+# -d /tmp/b.xz part- && sha256sum part-* > SHA256SUMS`); this script joins whatever parts came.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
 #   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-prefill | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
