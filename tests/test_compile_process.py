@@ -46,10 +46,8 @@ def entries(folder: Path) -> set[str]:
 
 
 def jit_compile(cache: Path) -> str:
-    env = dict(os.environ, TRITON_CACHE_DIR=str(cache), CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=str(Path(compile_process.__file__).resolve().parents[2]))
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", JIT_COMPILE], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", JIT_COMPILE],
+                          env=compile_process.compile_env(str(cache)), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip()

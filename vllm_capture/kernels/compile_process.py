@@ -118,6 +118,18 @@ def start(target, dtypes: Iterable[torch.dtype],
     import triton
 
     cache_dir = triton.knobs.cache.dir
+    argv = [sys.executable, "-m", __name__, "--target", target_spec(target),
+            "--dtypes", *(_dtype_name(d) for d in dtypes),
+            "--ids-dtypes", *(_dtype_name(d) for d in ids_dtypes),
+            "--tile", json.dumps(capture.kernel_tile())]
+    process = subprocess.Popen(argv, env=compile_env(cache_dir), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return CompileProcess(process, cache_dir)
+
+
+def compile_env(cache_dir: str) -> dict[str, str]:
+    """The environment of a process that compiles the kernels into ``cache_dir``: this one's,
+    importing this package from where this process does."""
     package_root = str(Path(__file__).resolve().parents[2])
     # No GPU in the child, so nothing there can make a CUDA context by accident; and a real
     # compile, where a test process runs the kernels in Triton's interpreter.
@@ -125,13 +137,7 @@ def start(target, dtypes: Iterable[torch.dtype],
                PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
                                           if p))
     env.pop("TRITON_INTERPRET", None)
-    argv = [sys.executable, "-m", __name__, "--target", target_spec(target),
-            "--dtypes", *(_dtype_name(d) for d in dtypes),
-            "--ids-dtypes", *(_dtype_name(d) for d in ids_dtypes),
-            "--tile", json.dumps(capture.kernel_tile())]
-    process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    return CompileProcess(process, cache_dir)
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
