@@ -373,7 +373,7 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # H200. Each start's whole log lands in $OUT/startup-logs/.) Session 55 read cold 1.129 on an
     # H100, the extra in torch.compile: `PACKAGE_BEFORE=90a8f89 ... startup 1b` tells whether the
     # traced stores brought it. Session 56's H200: cold 1.013, warm 1.143 (one round).
-    timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} $BEFORE_ARGS --out "$OUT" 2>&1 | grep -E "^\{|PASS|FAIL" | cut -c1-400
+    timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} $BEFORE_ARGS --out "$OUT" 2>&1 | grep -E "^\{|^SEGMENTS|PASS|FAIL" | cut -c1-400
     ;;
   bench-1b-paired)
     # The 1B's last-token target: 80 reps of vanilla, idle and hidden-last side by side (about 8

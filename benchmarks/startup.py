@@ -12,8 +12,10 @@ an engine sees). Each start runs in a fresh process and times ``LLM(...)`` until
 graphs and torch.compile on (vLLM's defaults). Prints one line per start (the parts vLLM logs,
 ``PHASES``; a capture start also gives what capture's own parts took: its install at model load,
 its kernels' compile (``kernel_compile``: the child process from start to end), graph capture's
-wait for it and loads (``kernel_wait``), and the graph copies) and the capture/vanilla ratios
-last; writes ``startup.json`` and each start's whole log
+wait for it and loads (``kernel_wait``), and the graph copies; every start, the seconds from
+``LLM(...)``'s call to each step of vLLM's start, ``MILESTONES``, read from log lines stamped to
+the millisecond), each capture kind's extra seconds per segment between milestones (``SEGMENTS``)
+and the capture/vanilla ratios last; writes ``startup.json`` and each start's whole log
 (``startup-logs/ROUND-KIND-CACHE.log.gz``) into ``--out``.
 
 Before b635ec6 the kernels compiled on a thread beside vLLM's own compile, sharing the GIL with
@@ -68,6 +70,45 @@ PHASES = {
     "engine_init_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
 }
 
+# Where a start's time goes, at a millisecond: the seconds from ``LLM(...)``'s call to the first
+# log line of each step of vLLM's start, in order (session 56's warm capture start was 1.3 s over
+# vanilla's, and vLLM's own lines, stamped to the second, placed only 0.9 s of it). The starts
+# log through LOGGING_CONFIG, whose lines carry the epoch time.
+MILESTONES = {
+    "engine_core": re.compile(r"Initializing a V1 LLM engine"),
+    "load_begin": re.compile(r"Loading model from scratch"),
+    "load_end": re.compile(r"Model loading took"),
+    "dynamo_end": re.compile(r"Dynamo bytecode transform time"),
+    "compile_end": re.compile(r"torch\.compile took"),
+    "profile_end": re.compile(r"Initial profiling/warmup run took"),
+    "kv_cache": re.compile(r"Available KV cache memory"),
+    "graphs_end": re.compile(r"Graph capturing finished"),
+    "engine_init_end": re.compile(r"init engine \(profile, create kv cache, warmup model\)"),
+}
+# vLLM's own logging config (vllm/logger.py) but for the time: epoch seconds to the millisecond.
+LOGGING_CONFIG = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"vllm": {"class": "vllm.logging_utils.NewLineFormatter",
+                            "format": "%(levelname)s %(created).3f [%(fileinfo)s:%(lineno)d] %(message)s"}},
+    "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "INFO",
+                          "stream": "ext://sys.stdout"}},
+    "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}},
+}
+_STAMPED_LINE = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (\d+\.\d{3}) \[[^\]]*\] (.*)")
+
+
+def milestones(log: str, t0: float) -> dict[str, float]:
+    """Seconds from ``t0`` (epoch) to the first stamped line of each MILESTONES step in ``log``."""
+    found: dict[str, float] = {}
+    for line in log.splitlines():
+        stamped = _STAMPED_LINE.search(line)
+        if stamped is None:
+            continue
+        for name, pattern in MILESTONES.items():
+            if name not in found and pattern.search(stamped.group(2)):
+                found[name] = round(float(stamped.group(1)) - t0, 3)
+    return {name: found[name] for name in MILESTONES if name in found}
+
 
 def start_once(kind: str, folder: str, cpu: bool) -> float:
     """Build one engine in this process and return the seconds ``LLM(...)`` took."""
@@ -82,6 +123,7 @@ def start_once(kind: str, folder: str, cpu: bool) -> float:
         kw.update(load_format="dummy", gpu_memory_utilization=0.4)
     else:
         kw["enforce_eager"] = True
+    print(f"STARTUP_T0 {time.time():.3f}", flush=True)
     t = time.perf_counter()
     llm = LLM(folder, **kw) if kind == "vanilla" else vc.LLM(folder, **kw)
     seconds = time.perf_counter() - t
@@ -109,6 +151,37 @@ def over_vanilla(starts: list[dict]) -> dict[str, dict[str, float]]:
             if ours is not None and vanilla is not None:
                 ratios.setdefault(kind, {})[cache] = ours / vanilla
     return ratios
+
+
+def segments(start: dict) -> dict[str, float]:
+    """A start's time between consecutive milestones, each named for the step it ends with
+    (``return``: the last milestone to ``LLM(...)``'s return); empty without all milestones."""
+    marks = start.get("milestones_s") or {}
+    if start.get("llm_s") is None or list(marks) != list(MILESTONES):
+        return {}
+    ends = [*marks.items(), ("return", start["llm_s"])]
+    before = 0.0
+    out = {}
+    for name, at in ends:
+        out[name] = round(at - before, 3)
+        before = at
+    return out
+
+
+def segments_over_vanilla(starts: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per capture kind and cache state, each segment's median seconds minus vanilla's."""
+    def medians(kind: str, cache: str) -> dict[str, float]:
+        split = [segments(s) for s in starts if s["kind"] == kind and s["cache"] == cache]
+        split = [x for x in split if x]
+        return {name: statistics.median(x[name] for x in split) for name in split[0]} if split else {}
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in KINDS[1:]:
+        for cache in ("cold", "warm"):
+            ours, vanilla = medians(kind, cache), medians("vanilla", cache)
+            if ours and vanilla:
+                out.setdefault(kind, {})[cache] = {n: round(ours[n] - vanilla[n], 3) for n in ours}
+    return out
 
 
 def main() -> int:
@@ -152,6 +225,8 @@ def main() -> int:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.rounds < 1:
         p.error("--rounds: at least 1")
+    logging_config = work / "logging.json"
+    logging_config.write_text(json.dumps(LOGGING_CONFIG))
     starts = []
     runs = [(r, kind) for r in range(args.rounds) for kind in (order[::-1] if r % 2 else order)]
     for r, kind in runs:
@@ -163,6 +238,7 @@ def main() -> int:
             env[PACKAGE_DIR_ENV] = str(before)
             env["PYTHONPATH"] = os.pathsep.join(
                 x for x in (str(before), env.get("PYTHONPATH")) if x)
+        env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
         cold = not cache.exists()
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--one", kind, folder, "cpu" if cpu else "cuda"],
@@ -176,6 +252,9 @@ def main() -> int:
         for name, pattern in PHASES.items():
             hit = pattern.findall(log)
             start[name] = round(sum(map(float, hit)), 3) if hit else None
+        t0 = re.search(r"STARTUP_T0 ([\d.]+)", proc.stdout)
+        if t0:
+            start["milestones_s"] = milestones(log, float(t0.group(1)))
         parts = re.search(r"CAPTURE_STARTUP_MS (\{.*\})", proc.stdout)
         if parts:
             start["capture_parts_ms"] = json.loads(parts.group(1))
@@ -193,13 +272,19 @@ def main() -> int:
         print(json.dumps(start), flush=True)
 
     ratios = over_vanilla(starts)
+    extra = segments_over_vanilla(starts)
     result = {"model": args.model, "order": order, "rounds": args.rounds,
               "package_before": str(before) if before else None, "starts": starts,
               "capture_over_vanilla": ratios.get("capture", {}),
-              "capture_before_over_vanilla": ratios.get("capture-before", {})}
+              "capture_before_over_vanilla": ratios.get("capture-before", {}),
+              "segments_over_vanilla_s": extra}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "startup.json").write_text(json.dumps(result, indent=1))
+    for kind, by_cache in extra.items():
+        for cache, by_segment in by_cache.items():
+            print(f"SEGMENTS {cache} {kind} - vanilla (s): "
+                  + " ".join(f"{n} {v:+.3f}" for n, v in by_segment.items()))
     for kind, by_cache in ratios.items():
         for cache, ratio in by_cache.items():
             verdict = "PASS" if ratio <= 1.1 else "FAIL"

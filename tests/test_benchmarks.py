@@ -1759,6 +1759,46 @@ def test_startup_phases_match_the_log_lines_vllm_writes():
                      "compile_s": [12.5], "graph_capture_s": [3.0], "engine_init_s": [41.25]}
 
 
+def test_startup_milestones_read_the_times_its_logging_config_stamps():
+    """startup.py's engines log through LOGGING_CONFIG; a line formatted by it (vLLM's formatter)
+    must give its step's time after the call, and the segments must add up to the start."""
+    import logging
+
+    from benchmarks import startup
+    from vllm.logging_utils import NewLineFormatter
+
+    fmt = startup.LOGGING_CONFIG["formatters"]["vllm"]
+    formatter = NewLineFormatter(fmt["format"])
+    t0 = 1_765_000_000.0
+    messages = {"engine_core": "Initializing a V1 LLM engine (v0.26.0) with config: ...",
+                "load_begin": "Loading model from scratch...",
+                "load_end": "Model loading took 2.32 GiB and 1.5 seconds",
+                "dynamo_end": "Dynamo bytecode transform time: 1.31 s",
+                "compile_end": "torch.compile took 2.28 s in total",
+                "profile_end": "Initial profiling/warmup run took 0.14 s",
+                "kv_cache": "Available KV cache memory: 52.41 GiB",
+                "graphs_end": "Graph capturing finished in 1 secs, took 0.15 GiB",
+                "engine_init_end": "init engine (profile, create kv cache, warmup model) took 5 s"}
+    assert list(messages) == list(startup.MILESTONES)
+    lines = []
+    for i, (name, message) in enumerate(messages.items()):
+        record = logging.LogRecord("vllm.x", logging.INFO, "/x/core.py", 7, message, None, None)
+        record.created = t0 + 0.25 * (i + 1) + 0.0004  # rounds to the millisecond below
+        lines.append(f"(EngineCore pid=1) {formatter.format(record)}")
+        lines.append(f"(EngineCore pid=1) {formatter.format(record)}")  # not the first: ignored
+    got = startup.milestones("noise\n" + "\n".join(lines), t0)
+    assert got == {name: 0.25 * (i + 1) for i, name in enumerate(messages)}
+    split = startup.segments({"llm_s": 3.0, "milestones_s": got})
+    assert split == {**{name: 0.25 for name in messages}, "return": 0.75}
+    assert startup.segments({"llm_s": 3.0, "milestones_s": {"engine_core": 0.25}}) == {}
+    starts = [{"kind": "vanilla", "cache": "warm", "llm_s": 3.0, "milestones_s": got},
+              {"kind": "capture", "cache": "warm", "llm_s": 3.5,
+               "milestones_s": {**got, "graphs_end": got["graphs_end"] + 0.5,
+                                "engine_init_end": got["engine_init_end"] + 0.5}}]
+    extra = startup.segments_over_vanilla(starts)["capture"]["warm"]
+    assert extra == {**{name: 0.0 for name in messages}, "graphs_end": 0.5, "return": 0.0}
+
+
 def test_startup_ratios_are_each_capture_kinds_median_over_vanillas():
     from benchmarks import startup
 
