@@ -72,8 +72,9 @@ class LastRowPlan:
 
     @classmethod
     def allocate(cls, tokens: int, slot_count: int, device: torch.device) -> "LastRowPlan":
-        every_sink = sink_rows(np.arange(tokens, dtype=np.int64), slot_count)
-        return cls(torch.from_numpy(every_sink).to(device), slot_count)
+        plan = cls(torch.empty(tokens, dtype=torch.int64, device=device), slot_count)
+        plan.dest.copy_(torch.from_numpy(plan.host))  # every token to its sink
+        return plan
 
     def rows_for(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """A layer's tensor: one row per slot, then the sinks."""
