@@ -372,7 +372,8 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # 3.7 on session 55's H100, half as long again with PACKAGE_BEFORE: 300 s on session 56's
     # H200. Each start's whole log lands in $OUT/startup-logs/.) Session 55 read cold 1.129 on an
     # H100, the extra in torch.compile: `PACKAGE_BEFORE=90a8f89 ... startup 1b` tells whether the
-    # traced stores brought it. Session 56's H200: cold 1.013, warm 1.143 (one round).
+    # traced stores brought it. Session 56's H200: cold 1.013, warm 1.143 (one round); session
+    # 57's: cold 1.101, warm 1.045 (one round, 190 s; SEGMENTS places each extra between vLLM's steps).
     timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} $BEFORE_ARGS --out "$OUT" 2>&1 | grep -E "^\{|^SEGMENTS|PASS|FAIL" | cut -c1-400
     ;;
   bench-1b-paired)
@@ -381,7 +382,9 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # (in the check line) is about +-4% after 80 reps; the target is decided where it clears 0.97.
     # The engine started later reads faster (session 31: a second vanilla engine 0.964 of vanilla
     # started first, 1.114 started last): BENCH_ARGS=--baseline-first starts vanilla first, so
-    # that the pool's "both orders" weighs runs of either order.
+    # that the pool's "both orders" weighs runs of either order. (On the H200 with the traced
+    # stores: 1.001 capture first, session 56; 1.014 vanilla first, session 57; 60 reps each,
+    # about 260 s with BENCH_ARGS="--reps 60 --budget-s 290".)
     python3 benchmarks/run.py --suite quick --scenarios vanilla,idle,hidden-last --reps 80 \
       --budget-s 500 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 22
     ;;
