@@ -155,5 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     print(time.time())  # when it ended, for the parent's seconds
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
