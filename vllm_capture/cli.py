@@ -65,9 +65,10 @@ from typing import Any, Callable, Iterator, Sequence, get_args
 
 from vllm_capture.checks import as_count, is_int
 from vllm_capture.dataset import (FORMAT, FORMAT_VERSION, LABEL_COLUMNS, MANIFEST, PROMPT_LENGTH,
-                                  PROMPTS_FILE, SHARD_PREFIX, DatasetError, dtype_name,
-                                  label_name, load_dataset, prompts_sha256, sha256_file,
-                                  shard_name, tensor_name, write_json_atomic, write_text_atomic)
+                                  PROMPTS_FILE, SHARD_PREFIX, DatasetError, label_name,
+                                  load_dataset, prompts_sha256, sha256_file, shard_name,
+                                  tensor_name, write_json_atomic, write_text_atomic)
+from vllm_capture.dtypes import dtype_name
 from vllm_capture.session.components import COMPONENTS, HIDDEN_STATES, ROUTER_LOGITS
 from vllm_capture.tiny_models import CORPUS
 

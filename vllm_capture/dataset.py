@@ -108,10 +108,6 @@ def shard_name(index: int) -> str:
     return f"{SHARD_PREFIX}{index:05d}{SHARD_SUFFIX}"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def prompts_sha256(prompts: Iterable[tuple[str, str, dict | None]]) -> str:
     """Digest of a run's prompts, each ``(id, text, select)``: the manifest's
     ``run.prompts_sha256``, which ``prompts.jsonl`` must match."""

@@ -29,14 +29,11 @@ from typing import Iterable, Iterator
 
 import torch
 
+from vllm_capture.dtypes import dtype_name
 from vllm_capture.kernels import capture
 
 # The child's stderr kept for the parent's warning when it fails.
 STDERR_TAIL = 2000
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -119,8 +116,8 @@ def start(target, dtypes: Iterable[torch.dtype],
 
     cache_dir = triton.knobs.cache.dir
     argv = [sys.executable, "-m", __name__, "--target", target_spec(target),
-            "--dtypes", *(_dtype_name(d) for d in dtypes),
-            "--ids-dtypes", *(_dtype_name(d) for d in ids_dtypes),
+            "--dtypes", *(dtype_name(d) for d in dtypes),
+            "--ids-dtypes", *(dtype_name(d) for d in ids_dtypes),
             "--tile", json.dumps(capture.kernel_tile())]
     process = subprocess.Popen(argv, env=compile_env(cache_dir), stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
