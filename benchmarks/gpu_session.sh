@@ -112,7 +112,8 @@ case "$SET" in
     # the V1 runner (--identical: its rows equal V2's); then the 1B in the fused-store probe,
     # vanilla (none) against capture's hidden-last (op): tokens_sha (the stores leave the
     # model's arithmetic alone), compiled_modules (the layers still share one piece) and the
-    # launch sites (one capture op in the shared piece). About 5 minutes.
+    # launch sites (one capture op in the shared piece). About 5 minutes; over 400 s on session
+    # 58's H100 (the V2 engine's first start took 79 s), where a 400 s limit ended before `op`.
     v2_then_v1
     # (Session 54 read 34 launch sites for op against none's 30; on the CPU VM,
     # launches_by_module shows op adding the capture op's calls (hidden states' and heads') and
@@ -374,6 +375,7 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # H100, the extra in torch.compile: `PACKAGE_BEFORE=90a8f89 ... startup 1b` tells whether the
     # traced stores brought it. Session 56's H200: cold 1.013, warm 1.143 (one round); session
     # 57's: cold 1.101, warm 1.045 (one round, 190 s; SEGMENTS places each extra between vLLM's steps).
+    # Session 58's H100: cold 1.046, warm 1.055 (one round, 317 s).
     timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} $BEFORE_ARGS --out "$OUT" 2>&1 | grep -E "^\{|^SEGMENTS|PASS|FAIL" | cut -c1-400
     ;;
   bench-1b-paired)
@@ -434,7 +436,8 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # vanilla engine, started first): session 20 read idle 0.980 and 0.973 where session 15 read
     # 1.001, vanilla unchanged, and the 8B's step waits on the GPU, not the host, so whether
     # two engines of one kind sit 2% apart here too is the first question. 6 reps; about 4.5 minutes
-    # (session 21: 260 s; the control read 0.998, idle 0.990 paired, 0 idle nodes run).
+    # (session 21: 260 s; the control read 0.998, idle 0.990 paired, 0 idle nodes run). Session
+    # 58's H100, no control: 280 s; idle 0.993, last token 0.984, 4 layers 0.949, all PASS.
     python3 benchmarks/run.py --suite full --model 8b --workloads decode-c64 \
       --scenarios vanilla,${CONTROL_8B}idle,hidden-last,hidden-4l,heads-4l,heavy --reps 6 --budget-s 420 \
       --grace-s 20 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 36
