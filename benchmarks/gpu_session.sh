@@ -5,7 +5,7 @@
 # MiB: carry four smaller ones (`cd .bundle && cat part-* > /tmp/b.xz && rm part-* && split -b 36M
 # -d /tmp/b.xz part- && sha256sum part-* > SHA256SUMS`); this script joins whatever parts came.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | bench-quick | bench-full | bench-8b-decode | bench-8b-prefill | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | open-targets | bench-quick | bench-full | bench-8b-decode | bench-8b-prefill | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -76,6 +76,18 @@ store_probes() {
       | tee -a "$OUT/fused_store.log" | grep -E "^\{" | cut -c1-400
     gzip -c /tmp/fused_store_$m.err >"$OUT/fused_store_$m.err.gz"
   done
+}
+# startup.py's rounds, vanilla and capture (and PACKAGE_BEFORE's), under a time limit:
+# startup_rounds LIMIT_S MODEL ROUNDS. Prints each start's line, SEGMENTS and the checks.
+startup_rounds() {
+  timeout $1 python3 benchmarks/startup.py --model $2 --rounds $3 $BEFORE_ARGS --out "$OUT" 2>&1 \
+    | grep -E "^\{|^SEGMENTS|PASS|FAIL" | cut -c1-400
+}
+# The 1B's graph targets beside a second vanilla engine (see bench-1b-control):
+# bench_1b_control REPS BUDGET_S (BENCH_ARGS after them, so a --budget-s there wins).
+bench_1b_control() {
+  python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
+    --reps $1 --block 2 --budget-s $2 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 35
 }
 case "$SET" in
   dense)
@@ -376,7 +388,7 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # traced stores brought it. Session 56's H200: cold 1.013, warm 1.143 (one round); session
     # 57's: cold 1.101, warm 1.045 (one round, 190 s; SEGMENTS places each extra between vLLM's steps).
     # Session 58's H100: cold 1.046, warm 1.055 (one round, 317 s).
-    timeout 580 python3 benchmarks/startup.py --model ${2:-1b} --rounds ${3:-1} $BEFORE_ARGS --out "$OUT" 2>&1 | grep -E "^\{|^SEGMENTS|PASS|FAIL" | cut -c1-400
+    startup_rounds 580 ${2:-1b} ${3:-1}
     ;;
   bench-1b-paired)
     # The 1B's last-token target: 80 reps of vanilla, idle and hidden-last side by side (about 8
@@ -414,8 +426,16 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # BENCH_ARGS=--warm-cache starts and stops a vanilla and a capture engine first, so that every
     # timed engine loads its compiled model from the cache: by default the capture engine and the
     # control compile in their own processes and vanilla loads, about 15 s more in all.)
-    python3 benchmarks/run.py --suite quick --scenarios vanilla,vanilla-b,idle,hidden-last,hidden-4l \
-      --reps ${2:-25} --block 2 --budget-s 470 --grace-s 30 ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 35
+    bench_1b_control ${2:-25} 470
+    ;;
+  open-targets)
+    # The two targets still open on the H200 in one 600 s call, for a session likely to get one
+    # work call: bench-1b-control (the 4-layer capture; 25 reps planned, run.py's budget cut to
+    # 260 s, which it ends its reps in and writes its results by, where a timeout would lose
+    # them), then one round of startup 1b (about 190 s on the H200; 317 s on session 58's H100,
+    # past this set's limit). About 520 s, and the bundle's unpack in the call that carried it.
+    bench_1b_control 25 260
+    startup_rounds 250 1b 1
     ;;
   bench-moe)
     # Router logits need the MoE shape, whose 61 GB of weights cannot load twice: the two graph
