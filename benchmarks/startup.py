@@ -137,20 +137,28 @@ def start_once(kind: str, folder: str, cpu: bool) -> float:
     return seconds
 
 
-def over_vanilla(starts: list[dict]) -> dict[str, dict[str, float]]:
-    """Per capture kind and cache state, the median of its starts' seconds over vanilla's."""
-    def median(kind: str, cache: str) -> float | None:
-        seconds = [s["llm_s"] for s in starts
-                   if s["kind"] == kind and s["cache"] == cache and s["llm_s"] is not None]
-        return statistics.median(seconds) if seconds else None
+def against_vanilla(starts: list[dict], summary, compare) -> dict[str, dict]:
+    """Per capture kind and cache state: ``compare(ours, vanilla's)`` of the ``summary`` of each
+    side's starts, where both sides have one (``summary`` gives None for none)."""
+    def group(kind: str, cache: str):
+        return summary([s for s in starts if s["kind"] == kind and s["cache"] == cache])
 
-    ratios: dict[str, dict[str, float]] = {}
+    out: dict[str, dict] = {}
     for kind in KINDS[1:]:
         for cache in ("cold", "warm"):
-            ours, vanilla = median(kind, cache), median("vanilla", cache)
+            ours, vanilla = group(kind, cache), group("vanilla", cache)
             if ours is not None and vanilla is not None:
-                ratios.setdefault(kind, {})[cache] = ours / vanilla
-    return ratios
+                out.setdefault(kind, {})[cache] = compare(ours, vanilla)
+    return out
+
+
+def over_vanilla(starts: list[dict]) -> dict[str, dict[str, float]]:
+    """Per capture kind and cache state, the median of its starts' seconds over vanilla's."""
+    def median_seconds(group: list[dict]) -> float | None:
+        seconds = [s["llm_s"] for s in group if s["llm_s"] is not None]
+        return statistics.median(seconds) if seconds else None
+
+    return against_vanilla(starts, median_seconds, lambda ours, vanilla: ours / vanilla)
 
 
 def segments(start: dict) -> dict[str, float]:
@@ -170,18 +178,14 @@ def segments(start: dict) -> dict[str, float]:
 
 def segments_over_vanilla(starts: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
     """Per capture kind and cache state, each segment's median seconds minus vanilla's."""
-    def medians(kind: str, cache: str) -> dict[str, float]:
-        split = [segments(s) for s in starts if s["kind"] == kind and s["cache"] == cache]
-        split = [x for x in split if x]
-        return {name: statistics.median(x[name] for x in split) for name in split[0]} if split else {}
+    def median_segments(group: list[dict]) -> dict[str, float] | None:
+        split = [x for x in map(segments, group) if x]
+        if not split:
+            return None
+        return {name: statistics.median(x[name] for x in split) for name in split[0]}
 
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for kind in KINDS[1:]:
-        for cache in ("cold", "warm"):
-            ours, vanilla = medians(kind, cache), medians("vanilla", cache)
-            if ours and vanilla:
-                out.setdefault(kind, {})[cache] = {n: round(ours[n] - vanilla[n], 3) for n in ours}
-    return out
+    return against_vanilla(starts, median_segments, lambda ours, vanilla: {
+        name: round(ours[name] - vanilla[name], 3) for name in ours})
 
 
 def main() -> int:
