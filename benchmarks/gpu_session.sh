@@ -5,7 +5,7 @@
 # MiB: carry four smaller ones (`cd .bundle && cat part-* > /tmp/b.xz && rm part-* && split -b 36M
 # -d /tmp/b.xz part- && sha256sum part-* > SHA256SUMS`); this script joins whatever parts came.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | open-targets | bench-quick | bench-full | bench-8b-decode | bench-8b-prefill | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | open-targets | bench-1b-eager | bench-quick | bench-full | bench-8b-decode | bench-8b-prefill | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -427,6 +427,16 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # timed engine loads its compiled model from the cache: by default the capture engine and the
     # control compile in their own processes and vanilla loads, about 15 s more in all.)
     bench_1b_control ${2:-25} 470
+    ;;
+  bench-1b-eager)
+    # The 1B's ">= 3x eager capture" target with the current code: hidden-last under graphs
+    # against the same capture with enforce_eager=True (report.py's check), vanilla beside them;
+    # the full suite's 1B at decode-c64 (the quick suite has no eager engine). Last read in
+    # session 14 (4.80x, 3 reps, 216 s on the H200), before the eager path's last-row stores
+    # (session 54). (REPS, the second argument: 4 by default; about 5 minutes.)
+    python3 benchmarks/run.py --suite full --model 1b --workloads decode-c64 \
+      --scenarios vanilla,hidden-last,eager-hidden-last --reps ${2:-4} --budget-s 260 --grace-s 30 \
+      ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 22
     ;;
   open-targets)
     # The two targets still open on the H200 in one 600 s call, for a session likely to get one
