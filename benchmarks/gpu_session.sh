@@ -509,7 +509,7 @@ for f in "$OUT"/*_report.json; do [ -f "$f" ] && python3 -c "
 import json; r=json.load(open('$f'))
 for k,v in r.items():
     print('$f'.split('/')[-1][:-12], k, json.dumps(v)[:600])"; done
-for f in "$OUT"/*.log; do grep -q "Traceback" "$f" && { echo "-- $f"; grep -B2 -A0 -E "^[A-Za-z.]*(Error|Exception)" "$f" | tail -6; }; done
+for f in "$OUT"/*.log; do [ -f "$f" ] && grep -q "Traceback" "$f" && { echo "-- $f"; grep -B2 -A0 -E "^[A-Za-z.]*(Error|Exception)" "$f" | tail -6; }; done
 # The device tool brings back at most 8 files from one command: each benchmark run's folder (four
 # files) travels as one archive, added to any left by an earlier set of the same command. A
 # command that calls this must not pack results-N.tgz itself: in session 32 a `tar` after it
