@@ -387,7 +387,8 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # H100, the extra in torch.compile: `PACKAGE_BEFORE=90a8f89 ... startup 1b` tells whether the
     # traced stores brought it. Session 56's H200: cold 1.013, warm 1.143 (one round); session
     # 57's: cold 1.101, warm 1.045 (one round, 190 s; SEGMENTS places each extra between vLLM's steps).
-    # Session 58's H100: cold 1.046, warm 1.055 (one round, 317 s).
+    # Session 58's H100: cold 1.046, warm 1.055 (one round, 317 s); session 61's: cold 1.030, warm
+    # 1.177 (one round, 193 s).
     startup_rounds 580 ${2:-1b} ${3:-1}
     ;;
   bench-1b-paired)
@@ -477,10 +478,11 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # included: a prefill step writes each token's row of every layer (to sink rows). The 8B's
     # prefill-c64 (64 prompts of 2,048 tokens, 8 new; 8,192-token steps): idle and hidden-last
     # against vanilla, the control where the card holds three 8B engines. The capture engine's
-    # KV cache is smaller by its buffers (8.4 GiB), and the 64 prompts need 16 GiB of it at once:
+    # KV cache is smaller by its buffers (8.1 GiB), and the 64 prompts need 16 GiB of it at once:
     # where it holds fewer of them than vanilla's (the report's engines table gives both), that
-    # is part of the reading. (REPS, the second argument: 6 by default; not yet run, about 5
-    # minutes expected.)
+    # is part of the reading (session 61's H100: 75,456 tokens against 141,856, 36 of the 64
+    # prompts; idle 0.993, hidden-last 0.984). (REPS, the second argument: 6 by default; 207 s
+    # with the unpack.)
     python3 benchmarks/run.py --suite full --model 8b --workloads prefill-c64 \
       --scenarios vanilla,${CONTROL_8B}idle,hidden-last --reps ${2:-6} --budget-s 420 --grace-s 20 \
       ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tail -n 20
