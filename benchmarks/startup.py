@@ -2,7 +2,7 @@
 """Engine start-up, vanilla against capture-installed, each from its own empty compile cache.
 
     python3 benchmarks/startup.py --model 1b [--order vanilla,capture,vanilla,capture] [--rounds N]
-        [--package-before DIR] [--out DIR]
+        [--package-before DIR] [--gpu-memory-utilization SHARE] [--out DIR]
 
 Start order decides who finds a warm cache: in one cache directory, the engine started second
 reuses the Triton kernels and Inductor code the first one compiled. So every kind gets a fresh
@@ -110,7 +110,7 @@ def milestones(log: str, t0: float) -> dict[str, float]:
     return {name: found[name] for name in MILESTONES if name in found}
 
 
-def start_once(kind: str, folder: str, cpu: bool) -> float:
+def start_once(kind: str, folder: str, cpu: bool, gpu_share: float) -> float:
     """Build one engine in this process and return the seconds ``LLM(...)`` took."""
     from vllm import LLM
 
@@ -120,7 +120,7 @@ def start_once(kind: str, folder: str, cpu: bool) -> float:
         print(f"CAPTURE_PACKAGE {Path(vc.__file__).parent}", flush=True)
     kw = dict(dtype="float32" if cpu else "bfloat16", max_model_len=1024, seed=0, max_num_seqs=64)
     if not cpu:
-        kw.update(load_format="dummy", gpu_memory_utilization=0.4)
+        kw.update(load_format="dummy", gpu_memory_utilization=gpu_share)
     else:
         kw["enforce_eager"] = True
     print(f"STARTUP_T0 {time.time():.3f}", flush=True)
@@ -202,13 +202,17 @@ def main() -> int:
                    help="repeat the order, each time from new caches, every second time reversed")
     p.add_argument("--out", help="folder for startup.json")
     p.add_argument("--timeout-s", type=float, default=400.0, help="per start")
-    p.add_argument("--one", nargs=3, metavar=("KIND", "FOLDER", "DEVICE"), help=argparse.SUPPRESS)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                   help="every start's share of the GPU (0.4, every session's 1B reading, leaves "
+                        "the 8B's capture engine no KV cache on an 80 GiB card)")
+    p.add_argument("--one", nargs=4, metavar=("KIND", "FOLDER", "DEVICE", "SHARE"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         if os.environ.get(PACKAGE_DIR_ENV):
             sys.path.insert(0, os.environ[PACKAGE_DIR_ENV])
-        print(f"STARTUP_S {start_once(args.one[0], args.one[1], args.one[2] == 'cpu'):.3f}",
-              flush=True)
+        kind, folder, device, share = args.one
+        print(f"STARTUP_S {start_once(kind, folder, device == 'cpu', float(share)):.3f}", flush=True)
         os._exit(0)  # engine threads can hang interpreter exit; the number is out
     before = Path(args.package_before).resolve() if args.package_before else None
     if before is not None and not (before / "vllm_capture" / "__init__.py").is_file():
@@ -218,6 +222,8 @@ def main() -> int:
     if not order or not set(order) <= set(kinds):
         p.error(f"--order: a comma list of {'|'.join(kinds)} "
                 "(capture-before needs --package-before)")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error("--gpu-memory-utilization: a share in (0, 1]")
     from benchmarks import scenarios as S
     from benchmarks.run import has_cuda, prepare_model
 
@@ -245,7 +251,8 @@ def main() -> int:
         env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
         cold = not cache.exists()
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--one", kind, folder, "cpu" if cpu else "cuda"],
+        proc = subprocess.run([sys.executable, __file__, "--one", kind, folder, "cpu" if cpu else "cuda",
+                               str(args.gpu_memory_utilization)],
                               env=env,
                               capture_output=True, text=True, timeout=args.timeout_s)
         log = proc.stdout + proc.stderr
@@ -278,6 +285,7 @@ def main() -> int:
     ratios = over_vanilla(starts)
     extra = segments_over_vanilla(starts)
     result = {"model": args.model, "order": order, "rounds": args.rounds,
+              "gpu_memory_utilization": args.gpu_memory_utilization,
               "package_before": str(before) if before else None, "starts": starts,
               "capture_over_vanilla": ratios.get("capture", {}),
               "capture_before_over_vanilla": ratios.get("capture-before", {}),

@@ -1824,6 +1824,17 @@ def test_startup_package_before_must_hold_the_package(tmp_path):
     assert "holds no vllm_capture/ package" in proc.stderr
 
 
+def test_startup_gpu_share_must_be_a_share():
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "startup.py"
+    for share in ("0", "1.5"):
+        proc = subprocess.run([sys.executable, str(script), "--gpu-memory-utilization", share],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, share
+        assert "--gpu-memory-utilization: a share in (0, 1]" in proc.stderr
+
+
 def test_reduction_fetch_checks_the_rows_it_fetches():
     """benchmarks/reduction_fetch.py drives the worker's last-token fetch path without an engine
     and stops if a fetched row is not the last step's activation."""
