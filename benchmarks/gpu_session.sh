@@ -393,7 +393,8 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # traced stores brought it. Session 56's H200: cold 1.013, warm 1.143 (one round); session
     # 57's: cold 1.101, warm 1.045 (one round, 190 s; SEGMENTS places each extra between vLLM's steps).
     # Session 58's H100: cold 1.046, warm 1.055 (one round, 317 s); session 61's: cold 1.030, warm
-    # 1.177 (one round, 193 s).
+    # 1.177 (one round, 193 s); session 62's: cold 1.020, warm 1.017 (two rounds, 492 s with the
+    # unpack), the 8B cold 0.941, warm 1.095 (one round, 279 s with the unpack).
     startup_rounds 580 ${2:-1b} ${3:-1}
     ;;
   bench-1b-paired)
