@@ -203,8 +203,8 @@ def main() -> int:
     p.add_argument("--out", help="folder for startup.json")
     p.add_argument("--timeout-s", type=float, default=400.0, help="per start")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                   help="every start's share of the GPU (0.4, every session's 1B reading, leaves "
-                        "the 8B's capture engine no KV cache on an 80 GiB card)")
+                   help="every start's share of the GPU (default 0.4, every session's 1B reading; "
+                        "it leaves the 8B's capture engine no KV cache on an 80 GiB card)")
     p.add_argument("--one", nargs=4, metavar=("KIND", "FOLDER", "DEVICE", "SHARE"),
                    help=argparse.SUPPRESS)
     args = p.parse_args()
