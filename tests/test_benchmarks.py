@@ -1814,23 +1814,24 @@ def test_startup_ratios_are_each_capture_kinds_median_over_vanillas():
                    "capture-before": {"cold": pytest.approx(52.0 / 53.0)}}
 
 
-def test_startup_package_before_must_hold_the_package(tmp_path):
+def run_startup_script(*args: str):
+    """benchmarks/startup.py in a fresh process (its argument checks run before any engine)."""
     import subprocess
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "startup.py"
-    proc = subprocess.run([sys.executable, str(script), "--package-before", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_startup_package_before_must_hold_the_package(tmp_path):
+    proc = run_startup_script("--package-before", str(tmp_path))
     assert proc.returncode == 2 and "--package-before" in proc.stderr
     assert "holds no vllm_capture/ package" in proc.stderr
 
 
 def test_startup_gpu_share_must_be_a_share():
-    import subprocess
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "startup.py"
     for share in ("0", "1.5"):
-        proc = subprocess.run([sys.executable, str(script), "--gpu-memory-utilization", share],
-                              capture_output=True, text=True, timeout=60)
+        proc = run_startup_script("--gpu-memory-utilization", share)
         assert proc.returncode == 2, share
         assert "--gpu-memory-utilization: a share in (0, 1]" in proc.stderr
 
