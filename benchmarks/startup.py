@@ -26,7 +26,8 @@ Dynamo's tracing slower beside it (``benchmarks/compile_beside_tracing.py``: 28%
 One start per case is within the host's noise (a cold vanilla start of the 1B shape took 53 to
 75 s across sessions), so ``--rounds N`` repeats the order N times, each round from new empty
 caches and every second round in reverse (so neither kind always starts first), and the ratios
-are of the medians.
+are of the medians; each round's own ratio is printed beside them and kept in ``startup.json``
+(``over_vanilla_by_round``), and ``benchmarks/startup_pool.py`` pools rounds over runs.
 
 ``--package-before DIR`` adds a third kind, capture-before: the capture engine with the
 ``vllm_capture/`` package in DIR (another commit's, e.g. ``git archive COMMIT vllm_capture``),
@@ -161,6 +162,20 @@ def over_vanilla(starts: list[dict]) -> dict[str, dict[str, float]]:
     return against_vanilla(starts, median_seconds, lambda ours, vanilla: ours / vanilla)
 
 
+def round_ratios(starts: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """Per capture kind and cache state, each round's ratio: the median of its starts' seconds
+    over vanilla's median in the same round (rounds where either side has none are left out).
+    A round's two kinds ran minutes apart on one host, so its ratio is the unit to pool
+    (``startup_pool.py``)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for r in sorted({s["round"] for s in starts}):
+        ratios = over_vanilla([s for s in starts if s["round"] == r])
+        for kind, by_cache in ratios.items():
+            for cache, ratio in by_cache.items():
+                out.setdefault(kind, {}).setdefault(cache, []).append(ratio)
+    return out
+
+
 def segments(start: dict) -> dict[str, float]:
     """A start's time between consecutive milestones, each named for the step it ends with
     (``return``: the last milestone to ``LLM(...)``'s return); empty without all milestones."""
@@ -283,12 +298,14 @@ def main() -> int:
         print(json.dumps(start), flush=True)
 
     ratios = over_vanilla(starts)
+    by_round = round_ratios(starts)
     extra = segments_over_vanilla(starts)
     result = {"model": args.model, "order": order, "rounds": args.rounds,
               "gpu_memory_utilization": args.gpu_memory_utilization,
               "package_before": str(before) if before else None, "starts": starts,
               "capture_over_vanilla": ratios.get("capture", {}),
               "capture_before_over_vanilla": ratios.get("capture-before", {}),
+              "over_vanilla_by_round": by_round,
               "segments_over_vanilla_s": extra}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -300,7 +317,9 @@ def main() -> int:
     for kind, by_cache in ratios.items():
         for cache, ratio in by_cache.items():
             verdict = "PASS" if ratio <= 1.1 else "FAIL"
-            print(f"{verdict}  {cache} start-up, {kind} / vanilla <= 1.1: {ratio:.3f}")
+            rounds = ", ".join(f"{x:.3f}" for x in by_round.get(kind, {}).get(cache, []))
+            print(f"{verdict}  {cache} start-up, {kind} / vanilla <= 1.1: {ratio:.3f} "
+                  f"(by round: {rounds})")
     return 0 if all(s["llm_s"] is not None for s in starts) else 1
 
 

@@ -1814,6 +1814,66 @@ def test_startup_ratios_are_each_capture_kinds_median_over_vanillas():
                    "capture-before": {"cold": pytest.approx(52.0 / 53.0)}}
 
 
+def test_startup_round_ratios_pair_each_round_and_the_pool_groups_by_gpu_and_model(tmp_path):
+    """A round's ratio is its capture start over its vanilla start, not a median over rounds; the
+    pool reads startup.json from folders and from a session's logs.tgz, names the GPU and host
+    from the gpu.txt beside it, leaves capture-before out, and pools per GPU, model and cache."""
+    import tarfile
+
+    from benchmarks import startup, startup_pool
+
+    def start(r, kind, cache, seconds):
+        return {"round": r, "kind": kind, "cache": cache, "llm_s": seconds}
+
+    # Round 0: capture twice vanilla's time; round 1: equal, vanilla 4x slower than round 0's.
+    starts = [start(0, "vanilla", "warm", 10.0), start(0, "capture", "warm", 20.0),
+              start(0, "capture-before", "warm", 30.0), start(1, "capture", "warm", 40.0),
+              start(1, "vanilla", "warm", 40.0), start(1, "vanilla", "cold", 60.0)]
+    by_round = startup.round_ratios(starts)
+    assert by_round == {"capture": {"warm": [2.0, 1.0]}, "capture-before": {"warm": [3.0]}}
+    assert startup.over_vanilla(starts)["capture"]["warm"] == pytest.approx(30.0 / 25.0)
+
+    def write(folder: Path, model: str, gpu: str, starts: list[dict]) -> None:
+        folder.mkdir(parents=True)
+        (folder / "startup.json").write_text(json.dumps({"model": model, "starts": starts}))
+        cpu = json.dumps({"model_number": "207"})
+        (folder / "gpu.txt").write_text(f"{gpu}, 580.159.04, 143771 MiB\nvllm 0.26.0\ncpu {cpu}\n")
+
+    write(tmp_path / "a" / "startup", "1b", "NVIDIA H200", starts)
+    write(tmp_path / "b" / "startup-1b", "1b", "NVIDIA H200",
+          [start(0, "vanilla", "warm", 10.0), start(0, "capture", "warm", 10.5),
+           start(0, "vanilla", "cold", 50.0), start(0, "capture", "cold", 45.0)])
+    write(tmp_path / "b" / "startup-8b", "8b", "NVIDIA H200",
+          [start(0, "vanilla", "warm", 12.0), start(0, "capture", "warm", 13.08)])
+    write(tmp_path / "c" / "startup", "1b", "NVIDIA H100 80GB HBM3",
+          [start(0, "vanilla", "warm", 10.0), start(0, "capture", "warm", 10.0)])
+    archive = tmp_path / "session" / "logs.tgz"
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "b", arcname=".")
+    runs = [*startup_pool.load(str(tmp_path / "a")), *startup_pool.load(str(archive)),
+            *startup_pool.load(str(tmp_path / "c" / "startup" / "startup.json"))]
+    assert [(r["name"].split("/")[-1], r["gpu"], r["cpu"], r["model"]) for r in runs] == [
+        ("startup", "NVIDIA H200", "207", "1b"), ("startup-1b", "NVIDIA H200", "207", "1b"),
+        ("startup-8b", "NVIDIA H200", "207", "8b"),
+        ("startup", "NVIDIA H100 80GB HBM3", "207", "1b")]
+    assert runs[1]["name"] == "session/startup-1b"
+    pooled = {(p["gpu"], p["model"], p["cache"]): p for p in startup_pool.pooled(runs)}
+    h200_warm = pooled[("NVIDIA H200", "1b", "warm")]
+    assert h200_warm["rounds"] == 3 and h200_warm["over_bound"] == 1
+    assert h200_warm["pooled"]["value"] == pytest.approx((2.0 * 1.0 * 1.05) ** (1 / 3))
+    low, high = h200_warm["pooled"]["ci95"]
+    assert low < h200_warm["pooled"]["value"] < high
+    assert pooled[("NVIDIA H200", "1b", "cold")]["pooled"] == {"value": pytest.approx(0.9),
+                                                              "ci95": None, "pairs": 1}
+    assert pooled[("NVIDIA H200", "8b", "warm")]["pooled"]["value"] == pytest.approx(1.09)
+    assert pooled[("NVIDIA H100 80GB HBM3", "1b", "warm")]["pooled"]["value"] == 1.0
+    table = startup_pool.markdown(runs)
+    assert "| session/startup-1b | NVIDIA H200 | 207 | 1b | 0.900 | 1.050 |" in table
+    with pytest.raises(SystemExit, match="no startup.json"):
+        startup_pool.load(str(tmp_path / "session"))
+
+
 def run_startup_script(*args: str):
     """benchmarks/startup.py in a fresh process (its argument checks run before any engine)."""
     import subprocess
