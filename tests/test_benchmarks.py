@@ -1874,6 +1874,23 @@ def test_startup_round_ratios_pair_each_round_and_the_pool_groups_by_gpu_and_mod
         startup_pool.load(str(tmp_path / "session"))
 
 
+def test_hook_tracing_traces_the_stack_plain_and_with_each_kind_of_site():
+    """benchmarks/hook_tracing.py: the instrumented stacks carry capture's classes where it says
+    (layers for hidden states, o_proj for heads), and every kind is traced once a rep."""
+    from benchmarks import hook_tracing
+    from vllm_capture.session.components import ATTENTION_HEADS, HIDDEN_STATES
+
+    both = hook_tracing.instrumented(2, (HIDDEN_STATES, ATTENTION_HEADS))
+    heads = hook_tracing.instrumented(2, (ATTENTION_HEADS,))
+    assert [type(m).__name__ for m in (both.layers[1], both.layers[1].o_proj)] == [
+        "CapturedLayer", "CapturedLinear"]
+    assert [type(m).__name__ for m in (heads.layers[0], heads.layers[0].o_proj)] == [
+        "Layer", "CapturedLinear"]
+    seconds = hook_tracing.measure(layers=2, reps=2)
+    assert list(seconds) == ["plain", "hidden", "heads", "both"]
+    assert all(len(v) == 2 and min(v) > 0 for v in seconds.values())
+
+
 def run_startup_script(*args: str):
     """benchmarks/startup.py in a fresh process (its argument checks run before any engine)."""
     import subprocess
