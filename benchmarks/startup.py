@@ -166,10 +166,10 @@ def round_ratios(starts: list[dict]) -> dict[str, dict[str, list[float]]]:
     """Per capture kind and cache state, each round's ratio: the median of its starts' seconds
     over vanilla's median in the same round (rounds where either side has none are left out).
     A round's two kinds ran minutes apart on one host, so its ratio is the unit to pool
-    (``startup_pool.py``)."""
+    (``startup_pool.py``). Starts written before ``--rounds`` (session 6) name no round: one."""
     out: dict[str, dict[str, list[float]]] = {}
-    for r in sorted({s["round"] for s in starts}):
-        ratios = over_vanilla([s for s in starts if s["round"] == r])
+    for r in sorted({s.get("round", 0) for s in starts}):
+        ratios = over_vanilla([s for s in starts if s.get("round", 0) == r])
         for kind, by_cache in ratios.items():
             for cache, ratio in by_cache.items():
                 out.setdefault(kind, {}).setdefault(cache, []).append(ratio)

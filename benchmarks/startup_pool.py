@@ -4,8 +4,9 @@
     python3 benchmarks/startup_pool.py benchmarks/results/2026-12-07-h100-session62/logs.tgz \\
         benchmarks/results/2026-12-07-h100-session63/logs.tgz [DIR | startup.json ...]
 
-A source is a ``startup.json`` that ``startup.py --out`` wrote, a folder searched for them, or a
-session's ``logs.tgz`` (every ``startup.json`` inside). The GPU and host come from the
+A source is a ``startup.json`` that ``startup.py --out`` wrote, a folder searched for them (one
+without any is an error), or a session's ``logs.tgz`` (every ``startup.json`` inside; one without
+any adds nothing, so ``benchmarks/results/*/logs.tgz`` reads every session). The GPU and host come from the
 ``gpu.txt`` beside each one (``gpu_session.sh`` writes it). A round's ratio is its capture
 start's seconds over its vanilla start's (``startup.round_ratios``): the two ran minutes apart on
 one host, while a whole start moved by a third from machine to machine and by 30% within one

@@ -1832,6 +1832,8 @@ def test_startup_round_ratios_pair_each_round_and_the_pool_groups_by_gpu_and_mod
     by_round = startup.round_ratios(starts)
     assert by_round == {"capture": {"warm": [2.0, 1.0]}, "capture-before": {"warm": [3.0]}}
     assert startup.over_vanilla(starts)["capture"]["warm"] == pytest.approx(30.0 / 25.0)
+    unnamed = [{k: v for k, v in s.items() if k != "round"} for s in starts[:2]]
+    assert startup.round_ratios(unnamed) == {"capture": {"warm": [2.0]}}  # before --rounds
 
     def write(folder: Path, model: str, gpu: str, starts: list[dict]) -> None:
         folder.mkdir(parents=True)
