@@ -6,14 +6,14 @@
 
 A source is a ``startup.json`` that ``startup.py --out`` wrote, a folder searched for them (one
 without any is an error), or a session's ``logs.tgz`` (every ``startup.json`` inside; one without
-any adds nothing, so ``benchmarks/results/*/logs.tgz`` reads every session). The GPU and host come from the
-``gpu.txt`` beside each one (``gpu_session.sh`` writes it). A round's ratio is its capture
-start's seconds over its vanilla start's (``startup.round_ratios``): the two ran minutes apart on
-one host, while a whole start moved by a third from machine to machine and by 30% within one
-(session 63's 8B: every segment of one warm capture start slower, the weights' load included).
-One round reads within that noise, so the bound is judged on the pool: per GPU, model and cache
-state, the geometric mean of the rounds' ratios with a 95% t interval over rounds, and how many
-rounds read over the bound.
+any adds nothing, so ``benchmarks/results/*/logs.tgz`` reads every session). The GPU and host
+come from the ``gpu.txt`` beside each one (``gpu_session.sh`` writes it). A round's ratio is its
+capture start's seconds over its vanilla start's (``startup.round_ratios``): the two ran minutes
+apart on one host, while a whole start moved by a third from machine to machine and by 30%
+within one (session 63's 8B: every segment of one warm capture start slower, the weights' load
+included). One round reads within that noise, so the bound is judged on the pool: per GPU, model
+and cache state, the geometric mean of the rounds' ratios with a 95% t interval over rounds, and
+how many rounds read over the bound.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def load(source: str) -> list[dict]:
                 return None if member is None else io.TextIOWrapper(tar.extractfile(member)).read()
 
             for name in sorted(n for n in members if Path(n).name == "startup.json"):
-                folder = str(Path(name).parent)
-                gpu_txt = read(str(Path(folder) / "gpu.txt") if folder != "." else "gpu.txt")
-                found.append((f"{path.parent.name}/{folder}", json.loads(read(name)), gpu_txt))
+                folder = Path(name).parent
+                found.append((f"{path.parent.name}/{folder}", json.loads(read(name)),
+                              read(str(folder / "gpu.txt"))))
     else:
         files = [path] if path.is_file() else sorted(path.rglob("startup.json"))
         if not files:
