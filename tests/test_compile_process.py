@@ -66,14 +66,32 @@ def test_the_child_fills_the_cache_a_later_compile_in_another_process_reads(tmp_
     # its seconds end where the child did, not at the wait
     assert 0 < child.seconds <= time.time() - child.started - 0.9
     assert child.cache_dir == str(ours)
-    compiled = entries(ours)
+    compiled = entries(ours) - {"vllm_capture"}
     assert len(compiled) == 2  # with and without a residual
+    assert len(entries(ours / "vllm_capture")) == 1  # the child's marker
     assert entries(vllms) == set()
     with child.cache():
         assert triton.knobs.cache.dir == str(ours)
     assert triton.knobs.cache.dir == str(vllms)
     assert jit_compile(ours) == "2"
-    assert entries(ours) == compiled  # every variant found, none compiled again
+    assert entries(ours) - {"vllm_capture"} == compiled  # every variant found, none compiled again
+
+
+def test_a_marked_cache_starts_no_child_and_other_variants_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert compile_process.start(SM90, [torch.bfloat16], [torch.int64]).wait() is None
+    cached = compile_process.start(SM90, [torch.bfloat16], [torch.int64])
+    assert cached.process is None and cached.wait() is None and cached.seconds == 0.0
+    assert cached.cache_dir == str(tmp_path)
+    # another dtype, and the same variants for another target, are not what the marker names
+    for target, dtypes in ((SM90, [torch.float16]), (GPUTarget("cuda", 80, 32), [torch.bfloat16])):
+        child = compile_process.start(target, dtypes, [torch.int64])
+        assert child.process is not None and child.wait() is None
+    assert len(entries(tmp_path / "vllm_capture")) == 3
+    # nor is a changed kernel: its cache key differs
+    monkeypatch.setattr(capture.capture_site_kernel, "hash", "another source")
+    child = compile_process.start(SM90, [torch.bfloat16], [torch.int64])
+    assert child.process is not None and child.wait() is None
 
 
 def test_a_changed_tile_is_compiled_again(tmp_path, monkeypatch):
@@ -92,7 +110,7 @@ def test_a_failed_child_says_why(tmp_path, monkeypatch):
                                   [torch.bfloat16], [torch.int64])
     failure = child.wait()
     assert failure.startswith("exit status 1") and "sm_ninety" in failure
-    assert entries(tmp_path) == set()
+    assert entries(tmp_path) == set()  # no variant and no marker
 
 
 def test_bad_arguments_name_the_field(capsys):
