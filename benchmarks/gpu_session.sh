@@ -78,14 +78,15 @@ store_probes() {
   done
 }
 # startup.py's rounds, vanilla and capture (and PACKAGE_BEFORE's), under a time limit:
-# startup_rounds LIMIT_S MODEL ROUNDS. Prints each start's line, SEGMENTS and the checks.
+# startup_rounds LIMIT_S MODEL ROUNDS (STARTUP_ARGS after them, e.g. an --order). Prints each
+# start's line, SEGMENTS and the checks.
 # startup.py's share of 0.4 (every 1B reading's) leaves the 8B's capture engine no KV cache on a
 # card under 100 GiB (session 62's H100: -1.44 GiB; weights 15.0 GiB, its default buffers 16.1 GiB
 # at vLLM's 16,384 batched tokens): 0.8 there.
 startup_rounds() {
   local share=
   [ "$2" = 8b ] && [ "${GPU_MIB:-0}" -lt 100000 ] && share="--gpu-memory-utilization 0.8"
-  timeout $1 python3 benchmarks/startup.py --model $2 --rounds $3 $BEFORE_ARGS $share --out "$OUT" 2>&1 \
+  timeout $1 python3 benchmarks/startup.py --model $2 --rounds $3 $BEFORE_ARGS $share ${STARTUP_ARGS:-} --out "$OUT" 2>&1 \
     | grep -E "^\{|^SEGMENTS|PASS|FAIL" | cut -c1-400
 }
 # The 1B's graph targets beside a second vanilla engine (see bench-1b-control):
