@@ -88,8 +88,13 @@ def test_a_marked_cache_starts_no_child_and_other_variants_do(tmp_path, monkeypa
         child = compile_process.start(target, dtypes, [torch.int64])
         assert child.process is not None and child.wait() is None
     assert len(entries(tmp_path / "vllm_capture")) == 3
-    # nor is a changed kernel: its cache key differs
-    monkeypatch.setattr(capture.capture_site_kernel, "hash", "another source")
+    # nor are the variants of changed kernels' sources
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for module in compile_process.KERNELS_DIR.glob("*.py"):
+        (kernels / module.name).write_bytes(module.read_bytes())
+    (kernels / "gather.py").write_text((kernels / "gather.py").read_text() + "\n# changed\n")
+    monkeypatch.setattr(compile_process, "KERNELS_DIR", kernels)
     child = compile_process.start(SM90, [torch.bfloat16], [torch.int64])
     assert child.process is not None and child.wait() is None
 

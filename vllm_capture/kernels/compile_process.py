@@ -11,7 +11,7 @@ profiling to see), writes Triton's cache, and the parent's first launch (``warmu
 variant from there.
 
 Once the child has compiled a set of variants it leaves a marker beside them in that cache, named
-for the set, the kernel's source and Triton's version; a later engine that finds the marker
+for the set, the kernels' sources and Triton's version; a later engine that finds the marker
 starts no child. A warm child only imports and finds every variant cached, yet it took 3.6 to 6.1
 s on an H100 host beside vLLM's compile, and graph capture waited for it up to 0.29 s (session
 63). Where the marker outlives a variant, the engine's first launch compiles that variant itself:
@@ -42,6 +42,8 @@ from vllm_capture.kernels import capture
 
 # The child's stderr kept for the parent's warning when it fails.
 STDERR_TAIL = 2000
+# The kernels' modules: the marker of compiled variants is named for their sources.
+KERNELS_DIR = Path(__file__).parent
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -140,11 +142,17 @@ def start(target, dtypes: Iterable[torch.dtype],
 
 def variants_marker(cache_dir: str, args: list[str]) -> Path:
     """The file in Triton's cache ``cache_dir`` that says a child compiled the variants its
-    ``args`` name, for the kernel's source and the Triton of now."""
+    ``args`` name, for the kernels' sources and the Triton of now.
+
+    The sources are every module of this folder, where the kernel and every function it calls
+    live: not Triton's own cache key of the kernel, which a process running the kernels in
+    Triton's interpreter (the tests) does not have."""
     import triton
 
-    named = json.dumps([args, capture.capture_site_kernel.cache_key, triton.__version__])
-    return Path(cache_dir) / "vllm_capture" / hashlib.sha256(named.encode()).hexdigest()
+    named = hashlib.sha256(json.dumps([args, triton.__version__]).encode())
+    for module in sorted(KERNELS_DIR.glob("*.py")):
+        named.update(module.read_bytes())
+    return Path(cache_dir) / "vllm_capture" / named.hexdigest()
 
 
 def compile_env(cache_dir: str) -> dict[str, str]:
