@@ -395,7 +395,8 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     # 57's: cold 1.101, warm 1.045 (one round, 190 s; SEGMENTS places each extra between vLLM's steps).
     # Session 58's H100: cold 1.046, warm 1.055 (one round, 317 s); session 61's: cold 1.030, warm
     # 1.177 (one round, 193 s); session 62's: cold 1.020, warm 1.017 (two rounds, 492 s with the
-    # unpack), the 8B cold 0.941, warm 1.095 (one round, 279 s with the unpack).
+    # unpack), the 8B cold 0.941, warm 1.095 (one round, 279 s with the unpack). Session 64's
+    # H100, PACKAGE_BEFORE=86ae859 (the compile child on a warm cache): one round a call, 360 s.
     startup_rounds 580 ${2:-1b} ${3:-1}
     ;;
   bench-1b-paired)
