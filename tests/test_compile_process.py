@@ -109,6 +109,15 @@ def test_a_changed_tile_is_compiled_again(tmp_path, monkeypatch):
     assert len(entries(tmp_path) - compiled) == 2
 
 
+def test_a_marker_that_cannot_be_written_fails_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    (tmp_path / "vllm_capture").write_text("a file where the markers' folder would be")
+    for _ in range(2):  # no marker, so the second start compiles again, in a child
+        child = compile_process.start(SM90, [torch.bfloat16], [torch.int64])
+        assert child.process is not None and child.wait() is None
+    assert len(entries(tmp_path) - {"vllm_capture"}) == 2
+
+
 def test_a_failed_child_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     child = compile_process.start(SimpleNamespace(backend="cuda", arch="sm_ninety", warp_size=32),
