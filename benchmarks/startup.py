@@ -12,8 +12,8 @@ an engine sees). Each start runs in a fresh process and times ``LLM(...)`` until
 graphs and torch.compile on (vLLM's defaults). Prints one line per start (the parts vLLM logs,
 ``PHASES``; a capture start also gives what capture's own parts took: its install at model load,
 its kernels' compile (``kernel_compile``: the child process from start to end, 0 where Triton's
-cache held a child's marker for the variants, so none ran), graph capture's
-wait for it and loads (``kernel_wait``), and the graph copies; every start, the seconds from
+cache held a child's marker for the variants, so none ran), graph capture's wait for it and
+loads (``kernel_wait``), and the graph copies; every start, the seconds from
 ``LLM(...)``'s call to each step of vLLM's start, ``MILESTONES``, read from log lines stamped to
 the millisecond), each capture kind's extra seconds per segment between milestones (``SEGMENTS``)
 and the capture/vanilla ratios last; writes ``startup.json`` and each start's whole log
