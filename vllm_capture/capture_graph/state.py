@@ -282,8 +282,9 @@ class CaptureGraphState:
 
         Then the kernel variants this model needs (one per site dtype, with and without a
         residual, for this token-id dtype) start compiling in a child process
-        (``kernels.compile_process``): vLLM compiles the model meanwhile, and
-        :meth:`await_kernels` waits for them before the first launch.
+        (``kernels.compile_process``; none where Triton's cache holds a child's marker for
+        them): vLLM compiles the model meanwhile, and :meth:`await_kernels` waits for them
+        before the first launch.
         """
         for component, plan in self.last_row_plans.items():
             if input_ids.shape[0] > plan.dest.shape[0]:

@@ -13,9 +13,9 @@ variant from there.
 Once the child has compiled a set of variants it leaves a marker beside them in that cache, named
 for the set, the kernels' sources and Triton's version; a later engine that finds the marker
 starts no child. A warm child only imports and finds every variant cached, yet it took 3.6 to 6.1
-s on an H100 host beside vLLM's compile, and graph capture waited for it up to 0.29 s (session
-63). Where the marker outlives a variant, the engine's first launch compiles that variant itself:
-slower, never wrong.
+s on an H100 host beside vLLM's compile, and graph capture waited for it up to 0.5 s (sessions 63
+and 64). Where the marker outlives a variant, the engine's first launch compiles that variant
+itself: slower, never wrong.
 
     python -m vllm_capture.kernels.compile_process --target cuda:90:32 --dtypes bfloat16 \
         --ids-dtypes int64 --tile '{"BLOCK_R": 16, ...}'
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
-    except OSError:  # the variants are compiled; without a marker the next engine compiles again
+    except OSError:  # the variants are compiled; with no marker the next engine starts a child
         pass
     print(time.time())  # when it ended, for the parent's seconds
     return 0
