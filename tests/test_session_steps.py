@@ -2284,6 +2284,29 @@ def test_kernels_compile_in_a_process_and_load_before_the_first_launch(monkeypat
     assert calls[-1] == ("load", ["boom"], (torch.int32,), True)  # the load compiles
 
 
+def test_kernels_of_a_marked_cache_load_without_a_child(monkeypatch, tmp_path):
+    """Where Triton's cache holds a child's marker (``compile_process.start`` starts none), the
+    loads still read that cache, and the compile reads 0 ms."""
+    import triton
+
+    import vllm_capture.capture_graph.state as state_module
+    from vllm_capture.capture_graph.state import Site
+    from vllm_capture.kernels.compile_process import CompileProcess
+
+    loads = []
+    monkeypatch.setattr(state_module.compile_process, "current_target", lambda device: "sm90")
+    monkeypatch.setattr(state_module.compile_process, "start",
+                        lambda target, dtypes, ids_dtypes: CompileProcess(None, str(tmp_path)))
+    monkeypatch.setattr(state_module, "warmup", lambda device, dtypes, *, ids_dtypes:
+                        loads.append((list(dtypes), triton.knobs.cache.dir)))
+    state = CaptureGraphState(device=torch.device("cuda"), capacity=4)
+    state.sites[0] = Site(HS, 0, "l0", 5, torch.bfloat16, torch.zeros(2, dtype=torch.int32))
+    state.set_input_ids(torch.zeros(4, dtype=torch.int64))
+    state.await_kernels()
+    assert loads == [([torch.bfloat16], str(tmp_path))]
+    assert state.startup_ms["kernel_compile"] == 0.0
+
+
 @pytest.mark.parametrize("runner_class", [_FakeV1Runner, _FakeV2Runner])
 def test_runners_wait_for_the_kernels_before_graph_capture_only(runner_class, monkeypatch):
     """vLLM's profile run compiles the model while the kernels compile; graph capture, which
