@@ -275,6 +275,7 @@ def matched_rows(d: dict, o: dict) -> dict:
     """
     compared = total = 0
     bit, max_diff = True, 0.0
+    differing = {}  # layer -> rows that differ, and the first one's (prompt, position)
     for layer, rows in d["layers"].items():
         other = o["layers"].get(layer)
         if other is None:
@@ -292,8 +293,15 @@ def matched_rows(d: dict, o: dict) -> dict:
                 x, y = rows[a:a + k], other[oa:oa + k]
                 bit &= torch.equal(x, y)
                 max_diff = max(max_diff, float((x - y).abs().max()))
+                rows_differ = (x != y).reshape(k, -1).any(dim=1).nonzero()[:, 0]
+                if len(rows_differ):
+                    entry = differing.setdefault(str(layer), {"rows": 0, "first": None})
+                    entry["rows"] += len(rows_differ)
+                    if entry["first"] is None:
+                        position = int(d["positions"][layer][a + int(rows_differ[0])])
+                        entry["first"] = {"prompt": i, "position": position}
     return {"rows_compared": compared, "rows_total": total, "bit_identical": bit,
-            "max_abs_diff": max_diff}
+            "max_abs_diff": max_diff, "differing_by_layer": differing}
 
 
 def compare(args) -> None:
