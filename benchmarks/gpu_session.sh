@@ -5,7 +5,7 @@
 # MiB: carry four smaller ones (`cd .bundle && cat part-* > /tmp/b.xz && rm part-* && split -b 36M
 # -d /tmp/b.xz part- && sha256sum part-* > SHA256SUMS`); this script joins whatever parts came.
 #   bash benchmarks/gpu_session.sh SET [MODEL | SCENARIOS]
-#   SET: dense | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | open-targets | bench-1b-eager | bench-quick | bench-full | bench-8b-decode | bench-8b-prefill | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
+#   SET: dense | repeat | verify | v1-v2 | last-rows | eager | aligned | stop-token | moe | tp | profile | ablation | first-steps | fused-store | client-copies | step-alternation | after-capture | slow-state | extract | extract-last | extract-profile | extract-write | fetch | reduction | replay | step-host | eager-launch | nodes | startup | open-targets | bench-1b-eager | bench-quick | bench-full | bench-8b-decode | bench-8b-prefill | bench-8b-idle | bench-1b-paired | bench-1b-control | bench-moe | bench-moe-eager   (tp needs 2 GPUs and the dense+moe runs'
 #   /tmp/*.pt files of the same warm machine; MODEL, for bench-full, replay and startup: 8b | 1b | moe | tiny |
 #   tiny-moe; SCENARIOS, for profile: a comma list, default idle,hidden-last,hidden-4l)
 set -uo pipefail
@@ -104,6 +104,17 @@ case "$SET" in
     # run's bit for bit (--identical; both runs take the same steps, see verify).
     run llama_nograph --model llama --mode nograph
     compare llama_graph llama --max-rel 0.1 --against eager=/tmp/llama_eager.pt --against nograph=/tmp/llama_nograph.pt --identical nograph
+    ;;
+  repeat)
+    # Whether a mode's rows repeat bit for bit from one engine start to the next on this machine
+    # (what `dense`'s --identical nograph takes for granted): the tiny Llama under graphs, then
+    # twice without graphs; each compare names the layers whose rows differ and the first one.
+    # Session 65's H100, by hand: two graph runs equal, two no-graph runs up to 0.0625 apart.
+    run llama_graph --model llama --mode graph
+    run llama_nograph --model llama --mode nograph
+    run llama_nograph_again --model llama --mode nograph
+    compare llama_nograph_again llama --max-rel 0.1 --against nograph=/tmp/llama_nograph.pt --against graph=/tmp/llama_graph.pt --identical nograph
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); [print(k, s, json.dumps(m)) for k, v in r.items() if k.startswith('run_vs_') for s, m in v.items()]" "$OUT/llama_nograph_again_report.json"
     ;;
   verify)
     # After a kernel, upload or step-path change: graph-mode rows of the tiny Llama against HF
