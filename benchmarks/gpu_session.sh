@@ -106,15 +106,23 @@ case "$SET" in
     compare llama_graph llama --max-rel 0.1 --against eager=/tmp/llama_eager.pt --against nograph=/tmp/llama_nograph.pt --identical nograph
     ;;
   repeat)
-    # Whether a mode's rows repeat bit for bit from one engine start to the next on this machine
-    # (what `dense`'s --identical nograph takes for granted): the tiny Llama under graphs, then
-    # twice without graphs; each compare names the layers whose rows differ and the first one.
-    # Session 65's H100, by hand: two graph runs equal, two no-graph runs up to 0.0625 apart.
+    # Whether the graph run's rows and the no-graph run's agree bit for bit (what `dense`'s
+    # --identical nograph takes for granted) with Inductor as it is, and with Inductor's
+    # deterministic mode (TORCHINDUCTOR_DETERMINISTIC=1: no on-device benchmarking of reduction
+    # configs, whose pick changes a reduction's bits and is made anew by every compile), each
+    # pair compiled into its own vLLM cache. Each compare names the layers whose rows differ.
+    # Session 65's H100, by hand: two graph runs equal; two no-graph runs, the second on an empty
+    # Triton cache, up to 0.0625 apart, and each apart from the graph run.
     run llama_graph --model llama --mode graph
     run llama_nograph --model llama --mode nograph
-    run llama_nograph_again --model llama --mode nograph
-    compare llama_nograph_again llama --max-rel 0.1 --against nograph=/tmp/llama_nograph.pt --against graph=/tmp/llama_graph.pt --identical nograph
-    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); [print(k, s, json.dumps(m)) for k, v in r.items() if k.startswith('run_vs_') for s, m in v.items()]" "$OUT/llama_nograph_again_report.json"
+    (export TORCHINDUCTOR_DETERMINISTIC=1 VLLM_CACHE_ROOT=/tmp/vllm-cache-deterministic
+     run llama_graph_det --model llama --mode graph
+     run llama_nograph_det --model llama --mode nograph)
+    compare llama_nograph llama --max-rel 0.1 --against graph=/tmp/llama_graph.pt --identical graph
+    compare llama_nograph_det llama --max-rel 0.1 --against graph=/tmp/llama_graph_det.pt --identical graph
+    for name in llama_nograph llama_nograph_det; do
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1])); [print(sys.argv[2], k, s, json.dumps(m)) for k, v in r.items() if k.startswith('run_vs_') for s, m in v.items()]" "$OUT/${name}_report.json" $name
+    done
     ;;
   verify)
     # After a kernel, upload or step-path change: graph-mode rows of the tiny Llama against HF
