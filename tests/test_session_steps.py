@@ -2416,24 +2416,6 @@ def test_drained_rows_arrive_in_the_stores_order_and_are_kept_as_they_are(batch_
     check_rows(ref, decode_rows(*engine.fetch(HS)), ref.expected_rows([a.rid, b.rid]))
 
 
-def test_a_drain_gathers_pending_rows_in_the_given_order(tmp_path):
-    """``CaptureGraphState.drain`` with an order, an enabled subset and rows past the ring's
-    start, against the rows picked on the host: the check the H200's ``verify`` runs on CUDA."""
-    import importlib.util
-    from argparse import Namespace
-    from pathlib import Path
-
-    path = Path(__file__).parent / "gpu" / "gpu_checks.py"
-    spec = importlib.util.spec_from_file_location("gpu_checks", path)
-    checks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(checks)
-    report = tmp_path / "drain_order.json"
-    checks.drain_order_check(Namespace(device="cpu", report=str(report)))
-    cases = json.loads(report.read_text())["cases"]
-    assert len(cases) == 6 and all(c["ok"] for c in cases)
-    assert [c["direct"] for c in cases].count(True) == 2
-
-
 def test_a_drain_past_gather_bytes_leaves_in_ring_order_and_the_store_orders_it():
     """Past ``gather_bytes`` a drain takes no device memory: each site's rows are copied as the
     ring holds them, and the store puts them in request order on the host. Same rows, same

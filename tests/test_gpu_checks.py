@@ -1,0 +1,75 @@
+"""Parts of ``tests/gpu/gpu_checks.py`` that run without a GPU: a drain's gather (the check the
+GPU's ``verify`` runs on CUDA) and the run-against-run comparison behind ``--identical``."""
+
+import importlib.util
+import json
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+
+def _checks():
+    path = Path(__file__).parent / "gpu" / "gpu_checks.py"
+    spec = importlib.util.spec_from_file_location("gpu_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(rows_by_layer, positions, token_ids, offsets):
+    return {"layers": rows_by_layer, "offsets": offsets,
+            "positions": {k: positions for k in rows_by_layer},
+            "token_ids": {k: token_ids for k in rows_by_layer}}
+
+
+def test_matched_rows_names_each_layer_whose_rows_differ_and_the_first_row():
+    matched_rows = _checks().matched_rows
+    gen = torch.Generator().manual_seed(0)
+    # Two prompts: rows 0-3 (positions 0-3) and rows 4-8 (positions 0-4).
+    positions = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4])
+    token_ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13])
+    offsets = [0, 4, 9]
+    a = {layer: torch.randn(9, 6, generator=gen).to(torch.bfloat16) for layer in (0, 1, 2)}
+    b = {layer: rows.clone() for layer, rows in a.items()}
+    b[1][6, 2] += 1  # layer 1, second prompt, position 2
+    b[1][7, 0] += 1
+    b[2][2, 5] -= 2  # layer 2, first prompt, position 2
+
+    report = matched_rows(_run(a, positions, token_ids, offsets),
+                          _run(b, positions, token_ids, offsets))
+
+    assert report["rows_compared"] == report["rows_total"] == 27
+    assert not report["bit_identical"]
+    assert report["max_abs_diff"] > 1.5
+    assert report["differing_by_layer"] == {
+        "1": {"rows": 2, "first": {"prompt": 1, "position": 2}},
+        "2": {"rows": 1, "first": {"prompt": 0, "position": 2}},
+    }
+    same = matched_rows(_run(a, positions, token_ids, offsets), _run(a, positions, token_ids, offsets))
+    assert same["bit_identical"] and same["differing_by_layer"] == {}
+
+
+def test_matched_rows_stops_a_prompt_at_its_first_label_that_differs():
+    """Greedy decoding can pick another token once numerics differ: rows from there on are not
+    compared, and a difference past that point is not reported."""
+    matched_rows = _checks().matched_rows
+    positions = torch.tensor([0, 1, 2, 3])
+    rows = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    other_rows = rows.clone()
+    other_rows[3] += 1  # past the label that differs
+    other_tokens = torch.tensor([1, 2, 9, 4])
+    report = matched_rows(_run({0: rows}, positions, torch.tensor([1, 2, 3, 4]), [0, 4]),
+                          _run({0: other_rows}, positions, other_tokens, [0, 4]))
+    assert (report["rows_compared"], report["rows_total"]) == (2, 4)
+    assert report["bit_identical"] and report["differing_by_layer"] == {}
+
+
+def test_a_drain_gathers_pending_rows_in_the_given_order(tmp_path):
+    """``CaptureGraphState.drain`` with an order, an enabled subset and rows past the ring's
+    start, against the rows picked on the host: the check the GPU's ``verify`` runs on CUDA."""
+    report = tmp_path / "drain_order.json"
+    _checks().drain_order_check(Namespace(device="cpu", report=str(report)))
+    cases = json.loads(report.read_text())["cases"]
+    assert len(cases) == 6 and all(c["ok"] for c in cases)
+    assert [c["direct"] for c in cases].count(True) == 2
