@@ -110,7 +110,7 @@ case "$SET" in
     # --identical nograph takes for granted), each run compiling the model into a new vLLM cache;
     # the compare names the layers whose rows differ. With TORCHINDUCTOR_DETERMINISTIC=1 in the
     # environment, Inductor runs no on-device benchmarking of reduction configs, a pick that
-    # changes a reduction's bits and that every compile makes anew. Session 65's H100, by hand,
+    # can change a reduction's bits and that every compile makes anew. Session 65's H100, by hand,
     # without it: two graph runs equal; two no-graph runs, the second on an empty Triton cache,
     # up to 0.0625 apart, and each apart from the graph run.
     export VLLM_CACHE_ROOT=$(mktemp -d /tmp/vllm-cache-XXXX)

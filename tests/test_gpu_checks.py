@@ -46,7 +46,8 @@ def test_matched_rows_names_each_layer_whose_rows_differ_and_the_first_row():
         "1": {"rows": 2, "first": {"prompt": 1, "position": 2}},
         "2": {"rows": 1, "first": {"prompt": 0, "position": 2}},
     }
-    same = matched_rows(_run(a, positions, token_ids, offsets), _run(a, positions, token_ids, offsets))
+    run_a = _run(a, positions, token_ids, offsets)
+    same = matched_rows(run_a, run_a)
     assert same["bit_identical"] and same["differing_by_layer"] == {}
 
 
