@@ -51,6 +51,25 @@ def test_matched_rows_names_each_layer_whose_rows_differ_and_the_first_row():
     assert same["bit_identical"] and same["differing_by_layer"] == {}
 
 
+def test_identical_fails_naming_the_layers_whose_rows_differ():
+    checks = _checks()
+    positions, token_ids = torch.tensor([0, 1, 2]), torch.tensor([4, 5, 6])
+    rows = {0: torch.zeros(3, 4), 1: torch.ones(3, 4)}
+    other = {0: rows[0].clone(), 1: rows[1].clone()}
+    other[1][2, 3] = 2
+    runs = [_run(r, positions, token_ids, [0, 3]) for r in (rows, other)]
+    report = {"run_vs_nograph": {"hidden_states": checks.matched_rows(*runs)},
+              "run_vs_eager": {"hidden_states": checks.matched_rows(*runs)}}
+    fid = {"hidden_states": {"rows_checked": 3, "max_rel_rownorm": 0.0}}
+
+    problems = checks.run_problems({}, report, fid, 0.1, identical=["nograph"])
+    assert problems == ["run_vs_nograph hidden_states: not bit-identical (6 of 6 rows compared, "
+                        "max abs diff 1.0; layer 1: 1 differing row(s), the first at prompt 0 "
+                        "position 2)"]
+    same = {"run_vs_nograph": {"hidden_states": checks.matched_rows(runs[0], runs[0])}}
+    assert checks.run_problems({}, same, fid, 0.1, identical=["nograph"]) == []
+
+
 def test_matched_rows_stops_a_prompt_at_its_first_label_that_differs():
     """Greedy decoding can pick another token once numerics differ: rows from there on are not
     compared, and a difference past that point is not reported."""

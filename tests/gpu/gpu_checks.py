@@ -377,9 +377,13 @@ def run_problems(graph: dict, report: dict, fid: dict, max_rel: float | None,
                     problems.append(f"{key} {s}: {m.get('error') or 'no row compared'}")
                 elif key[len("run_vs_"):] in identical and not (
                         m["bit_identical"] and m["rows_compared"] == m["rows_total"]):
+                    where = "; ".join(
+                        f"layer {layer}: {d['rows']} differing row(s), the first at prompt "
+                        f"{d['first']['prompt']} position {d['first']['position']}"
+                        for layer, d in m.get("differing_by_layer", {}).items())
                     problems.append(f"{key} {s}: not bit-identical ({m['rows_compared']} of "
                                     f"{m['rows_total']} rows compared, max abs diff "
-                                    f"{m['max_abs_diff']})")
+                                    f"{m['max_abs_diff']}{'; ' + where if where else ''})")
     for name in identical:
         if not isinstance(report.get(f"run_vs_{name}"), dict):
             problems.append(f"--identical {name}: no such --against run "
