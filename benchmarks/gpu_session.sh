@@ -108,16 +108,16 @@ case "$SET" in
   repeat)
     # Whether the graph run's rows and the no-graph run's agree bit for bit (what `dense`'s
     # --identical nograph takes for granted), each run compiling the model into a new vLLM cache;
-    # the compare names the layers whose rows differ. With TORCHINDUCTOR_DETERMINISTIC=1 in the
-    # environment, Inductor runs no on-device benchmarking of reduction configs, a pick that
-    # can change a reduction's bits and that every compile makes anew. Session 65's H100, by hand,
-    # without it: two graph runs equal; two no-graph runs, the second on an empty Triton cache,
-    # up to 0.0625 apart, and each apart from the graph run.
+    # the summary's `problems` line names the layers whose rows differ. With
+    # TORCHINDUCTOR_DETERMINISTIC=1 in the environment, Inductor runs no on-device benchmarking
+    # of reduction configs, a pick that can change a reduction's bits and that is made anew where
+    # Inductor's cache holds none. Session 65's H100, by hand, without it: two graph runs equal;
+    # two no-graph runs, the second on an empty Triton cache, up to 0.0625 apart, and each apart
+    # from the graph run.
     export VLLM_CACHE_ROOT=$(mktemp -d /tmp/vllm-cache-XXXX)
     run llama_graph --model llama --mode graph
     run llama_nograph --model llama --mode nograph
     compare llama_nograph llama --max-rel 0.1 --against graph=/tmp/llama_graph.pt --identical graph
-    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); [print(k, s, json.dumps(m)) for k, v in r.items() if k.startswith('run_vs_') for s, m in v.items()]" "$OUT/llama_nograph_report.json"
     ;;
   verify)
     # After a kernel, upload or step-path change: graph-mode rows of the tiny Llama against HF
