@@ -1,6 +1,7 @@
 """Parts of ``tests/gpu/gpu_checks.py`` that run without a GPU: a drain's gather (the check the
 GPU's ``verify`` runs on CUDA) and the run-against-run comparison behind ``--identical``."""
 
+import functools
 import importlib.util
 import json
 from argparse import Namespace
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 
 
+@functools.cache
 def _checks():
     path = Path(__file__).parent / "gpu" / "gpu_checks.py"
     spec = importlib.util.spec_from_file_location("gpu_checks", path)
