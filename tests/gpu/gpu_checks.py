@@ -274,7 +274,7 @@ def matched_rows(d: dict, o: dict) -> dict:
     tensor-parallel split), so each prompt is compared up to the first row whose label differs.
     """
     compared = total = 0
-    bit, max_diff = True, 0.0
+    max_diff = 0.0
     differing = {}  # layer -> rows that differ, and the first one's (prompt, position)
     for layer, rows in d["layers"].items():
         other = o["layers"].get(layer)
@@ -291,7 +291,6 @@ def matched_rows(d: dict, o: dict) -> dict:
             compared += k
             if k:
                 x, y = rows[a:a + k], other[oa:oa + k]
-                bit &= torch.equal(x, y)
                 max_diff = max(max_diff, float((x - y).abs().max()))
                 rows_differ = (x != y).reshape(k, -1).any(dim=1).nonzero()[:, 0]
                 if len(rows_differ):
@@ -300,7 +299,7 @@ def matched_rows(d: dict, o: dict) -> dict:
                     if entry["first"] is None:
                         position = int(d["positions"][layer][a + int(rows_differ[0])])
                         entry["first"] = {"prompt": i, "position": position}
-    return {"rows_compared": compared, "rows_total": total, "bit_identical": bit,
+    return {"rows_compared": compared, "rows_total": total, "bit_identical": not differing,
             "max_abs_diff": max_diff, "differing_by_layer": differing}
 
 
