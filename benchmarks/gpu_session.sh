@@ -54,6 +54,17 @@ GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | he
 CONTROL_8B=vanilla-b,; [ "${GPU_MIB:-0}" -lt 100000 ] && CONTROL_8B=
 run() { local name=$1; shift; echo "== $name"; timeout ${RUN_TIMEOUT:-300} python3 $G run "$@" --out /tmp/$name.pt >"$OUT/$name.log" 2>&1; echo "rc=$? $(grep -E '^\{' "$OUT/$name.log" | tail -1 | cut -c1-300)"; }
 compare() { local name=$1 model=$2; shift 2; python3 $G compare --run /tmp/$name.pt --model-dir /tmp/tiny/$model --report "$OUT/${name}_report.json" "$@" >"$OUT/${name}_compare.log" 2>&1; echo "compare $name rc=$?"; }
+# Rows of the same steps from two engine starts (graphs and none, V1 and V2) can sit a bf16 step
+# apart whatever captures them: vLLM's default kernels round by batch shape (under graphs a decode
+# step is padded to a captured size and FlashAttention's split count is the one set for graphs),
+# and Inductor may pick a reduction's config anew. Session 65's H100 read graph and no-graph rows
+# up to 0.03125 apart; session 66's H100 0.015625 under TORCHINDUCTOR_DETERMINISTIC=1, and bit for
+# bit under vLLM's batch-invariant kernels, V1 against V2 too. So the checks that are bit for bit
+# (dense's, v2_then_v1's) run under them; VLLM_BATCH_INVARIANT=0 runs them on vLLM's defaults.
+batch_invariant() {
+  export VLLM_BATCH_INVARIANT=${VLLM_BATCH_INVARIANT:-1}
+  echo "VLLM_BATCH_INVARIANT=$VLLM_BATCH_INVARIANT" | tee -a "$OUT/gpu.txt"
+}
 # The tiny Llama under graphs on the V2 runner, then the same prompts through the V1 runner's
 # wrapper: each run's rows against HF fp32, its last/mean reductions against its own all-row
 # capture (last bit for bit), and V1's rows against V2's (--identical: bit for bit). Session 52
@@ -62,21 +73,11 @@ compare() { local name=$1 model=$2; shift 2; python3 $G compare --run /tmp/$name
 # traced last-row stores; session 55 read them equal on one machine with the package before the
 # stores and after (so the stores do not make that step).
 v2_then_v1() {
+  batch_invariant
   run llama_graph --model llama --mode graph
   compare llama_graph llama --max-rel 0.1
   run llama_v1_graph --model llama --mode graph --v1
   compare llama_v1_graph llama --max-rel 0.1 --against v2_graph=/tmp/llama_graph.pt --identical v2_graph
-}
-# Rows of the same steps from two engine starts (graphs and none, V1 and V2) can sit a bf16 step
-# apart whatever captures them: vLLM's default kernels round by batch shape (under graphs a decode
-# step is padded to a captured size and FlashAttention's split count is the one set for graphs),
-# and Inductor may pick a reduction's config anew. Session 65's H100 read graph and no-graph rows
-# up to 0.03125 apart; session 66's H100 0.015625 under TORCHINDUCTOR_DETERMINISTIC=1, and bit for
-# bit under vLLM's batch-invariant kernels, V1 against V2 too. So the sets whose checks are bit for
-# bit (dense, v1-v2) run under them; VLLM_BATCH_INVARIANT=0 runs them on vLLM's defaults.
-batch_invariant() {
-  export VLLM_BATCH_INVARIANT=${VLLM_BATCH_INVARIANT:-1}
-  echo "VLLM_BATCH_INVARIANT=$VLLM_BATCH_INVARIANT" | tee -a "$OUT/gpu.txt"
 }
 # fused_store_probe.py in a fresh process a mode, in the order given, on MODEL: its JSON lines to
 # $OUT/fused_store.log, each mode's whole Inductor log (stderr) gzipped beside it.
@@ -133,7 +134,6 @@ case "$SET" in
     # v2_then_v1 alone (about 3 minutes on an H100), for one package against another on the
     # same machine: e.g. `PACKAGE_AT=90a8f89 OUT=$OUT/before bash benchmarks/gpu_session.sh
     # v1-v2` (carrying .bisect/90a8f89, see PACKAGE_AT above), then without PACKAGE_AT.
-    batch_invariant
     v2_then_v1
     ;;
   last-rows)
