@@ -69,28 +69,43 @@ def sum_by_rep(ms: list[dict], value) -> dict:
     """By rep (its ``rep``, else its place in ``ms``), the element-wise sum of ``value(m)`` (a
     tuple) over the rep's generates (several with ``run.py --block``); a generate whose value is
     None is left out."""
-    sums: dict = {}
+    return {key: sums for key, (sums, _) in _sums_by_rep(ms, value).items()}
+
+
+def mean_by_rep(ms: list[dict], value) -> dict:
+    """As ``sum_by_rep``, the element-wise mean over the rep's generates: a figure "a
+    generate" whatever ``--block`` was."""
+    return {key: tuple(x / count for x in sums)
+            for key, (sums, count) in _sums_by_rep(ms, value).items()}
+
+
+def _sums_by_rep(ms: list[dict], value) -> dict:
+    out: dict = {}
     for i, m in enumerate(ms):
         v = value(m)
         if v is None:
             continue
         key = m.get("rep", i)
-        sums[key] = tuple(a + b for a, b in zip(sums[key], v)) if key in sums else v
-    return sums
+        if key in out:
+            sums, count = out[key]
+            out[key] = (tuple(a + b for a, b in zip(sums, v)), count + 1)
+        else:
+            out[key] = (tuple(v), 1)
+    return out
 
 
 def iteration_split(base: list[dict], reps: list[dict]) -> dict | None:
     """A generate's time split where the engine spent it (``run.py``'s ``engine_iterations_s``,
     ``benchmarks/engine_iterations.py``), rep by rep against the baseline's generates of the
     same rep: ``iterations``, the baseline's iteration seconds over these (geometric mean, 95%
-    interval; below 1: slower), and ``outside_ms``, the rest of the generate (``gen_s`` less the
-    iterations) in ms more than the baseline's (mean, 95% interval). None where fewer than one
-    rep of each has the split."""
+    interval; below 1: slower), and ``outside_ms``, the rest of a generate (``gen_s`` less the
+    iterations) in ms more than the baseline's (each rep's generates averaged; mean over reps,
+    95% interval). None where fewer than one rep of each has the split."""
     def split(m: dict) -> tuple[float, float] | None:
         inside = m.get("engine_iterations_s")
         return None if inside is None else (inside, m["gen_s"] - inside)
 
-    base_s, own_s = sum_by_rep(base, split), sum_by_rep(reps, split)
+    base_s, own_s = mean_by_rep(base, split), mean_by_rep(reps, split)
     common = [k for k in own_s if k in base_s]
     if not common:
         return None
@@ -132,10 +147,11 @@ def parts_summary(reps: list[dict]) -> dict | None:
 
 
 def parts_against(base: list[dict], reps: list[dict]) -> dict | None:
-    """Rep by rep against the baseline's generates of the same rep: the ms more in each of
-    ``ITERATION_PARTS`` (mean, 95% interval). None where no rep of each has them."""
-    base_p = sum_by_rep(base, lambda m: iteration_parts(m.get("engine_iteration_ms")))
-    own_p = sum_by_rep(reps, lambda m: iteration_parts(m.get("engine_iteration_ms")))
+    """Rep by rep against the baseline's generates of the same rep: the ms more a generate in
+    each of ``ITERATION_PARTS`` (each rep's generates averaged, then the mean over reps and its
+    95% interval). None where no rep of each has them."""
+    base_p = mean_by_rep(base, lambda m: iteration_parts(m.get("engine_iteration_ms")))
+    own_p = mean_by_rep(reps, lambda m: iteration_parts(m.get("engine_iteration_ms")))
     common = [k for k in own_p if k in base_p]
     if not common:
         return None
