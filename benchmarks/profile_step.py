@@ -19,7 +19,8 @@ cumulative time; the raw stats in ``OUT/cprofile_<scenario>.pstats``); the summa
 decode step, capture's functions per step under cProfile, and the GPU's busy time per step
 against the profiled generate's step time. The profiled generate's first engine iterations are
 read one by one too (``first_iterations``: ``OUT/iterations_<scenario>.json``, and in the
-summary without their longest calls).
+summary without their longest calls and every op), and every op of the profiled generate, its
+calls and self CPU and device ms, goes to ``OUT/ops_<scenario>.json``.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def first_iterations(events, count: int = FIRST_ITERATIONS, top: int = TOP_CALLS
     """Of a profile's ``events`` (``prof.events()``), iterations ``0..count-1`` as
     ``label_iterations`` named them: ``ms`` (the range, on the host), ``device_ms`` (kernels and
     copies launched in it), ``self_ms`` (the self CPU ms of the calls in it, by name, the
-    ``top`` largest) and ``longest`` (its ``top`` longest single calls, self CPU ms)."""
+    ``top`` largest), ``ops`` (every name's self CPU ms and call count, so that two engines'
+    iterations can be told apart op by op) and ``longest`` (its ``top`` longest single calls,
+    self CPU ms)."""
     from torch.autograd import DeviceType
 
     # On a GPU each range also appears as a device-side annotation of the same name, spanning
@@ -115,14 +118,17 @@ def first_iterations(events, count: int = FIRST_ITERATIONS, top: int = TOP_CALLS
         start, end = r.time_range.start, r.time_range.end
         inside = [e for e in events if e is not r and e.thread == r.thread
                   and start <= e.time_range.start and e.time_range.end <= end]
-        by_name: dict[str, float] = {}
+        by_name: dict[str, list] = {}  # name -> [self CPU us, calls]
         for e in inside:
-            by_name[e.name] = by_name.get(e.name, 0.0) + e.self_cpu_time_total
+            entry = by_name.setdefault(e.name, [0.0, 0])
+            entry[0] += e.self_cpu_time_total
+            entry[1] += 1
         longest = sorted(inside, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        largest = sorted(by_name.items(), key=lambda kv: kv[1][0], reverse=True)
         out.append({"iteration": k, "ms": round((end - start) / 1e3, 3),
                     "device_ms": round(r.device_time_total / 1e3, 3),
-                    "self_ms": {name: round(us / 1e3, 3) for name, us in sorted(
-                        by_name.items(), key=lambda kv: kv[1], reverse=True)[:top]},
+                    "self_ms": {name: round(us / 1e3, 3) for name, (us, _) in largest[:top]},
+                    "ops": {name: [round(us / 1e3, 3), calls] for name, (us, calls) in largest},
                     "longest": [[e.name, round(e.self_cpu_time_total / 1e3, 3)] for e in longest]})
     return out
 
@@ -207,6 +213,12 @@ def main() -> int:
         (out / f"iterations_{name}.json").write_text(json.dumps(first, indent=1))
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
         (out / f"profile_{name}.txt").write_text(table)
+        # Every op of the generate, not the table's first rows: session 66's idle and vanilla
+        # tables could not be compared op by op (a name past the cut read as absent).
+        (out / f"ops_{name}.json").write_text(json.dumps(
+            {e.key: {"calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                     "self_device_ms": round(e.self_device_time_total / 1e3, 3)}
+             for e in prof.key_averages()}, indent=0))
         watched = {}
         for e in prof.key_averages():
             if e.key in WATCH or e.key.startswith("vllm_capture"):
@@ -235,8 +247,8 @@ def main() -> int:
                          "profiled_ms_per_step": round(prof_s * 1e3 / w.new_tokens, 4),
                          "gen_s": times, "tok_s": [w.generated_tokens / t for t in times],
                          "profiled_gen_s": prof_s, "watched": watched,
-                         "first_iterations": [{k: v for k, v in it.items() if k != "longest"}
-                                              for it in first],
+                         "first_iterations": [{k: v for k, v in it.items()
+                                               if k not in ("longest", "ops")} for it in first],
                          "cprofile_capture_ms_per_step": {
                              where: round(ct * 1e3 / (w.new_tokens * args.cprofile_reps), 4)
                              for ct, where in ours},

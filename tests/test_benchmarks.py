@@ -2837,7 +2837,7 @@ def test_profile_step_reads_each_labelled_engine_iteration_apart():
     """A stand-in engine core that multiplies matrices on its second call and adds on the others;
     after one call the counter is set back to 0 and three are profiled (torch's profiler, CPU):
     ``first_iterations`` finds each labelled step, the products in iteration 0 (the second
-    call) only, and each iteration's calls within its own time."""
+    call) only, each iteration's calls within its own time, and every op's calls."""
     from types import SimpleNamespace
 
     import torch
@@ -2887,6 +2887,13 @@ def test_profile_step_reads_each_labelled_engine_iteration_apart():
         assert len(it["longest"]) <= 3 and it["device_ms"] == 0.0
     assert first[0]["longest"][0][0] == "aten::mm"
     assert first[0]["ms"] > max(first[1]["ms"], first[2]["ms"])
+    # Every op by name with its calls, beyond the top three: the four products in iteration 0,
+    # one add in each of the others, and the top names' ms the same as self_ms's.
+    assert first[0]["ops"]["aten::mm"][1] == 4 and "aten::add" not in first[0]["ops"]
+    assert first[1]["ops"]["aten::add"][1] == 1 and first[2]["ops"]["aten::add"][1] == 1
+    for it in first:
+        assert {name: ms for name, (ms, _) in it["ops"].items() if name in it["self_ms"]} == \
+            it["self_ms"]
 
 
 # ---- fused_store_probe: what Inductor generates for a traced store ------------------------------
