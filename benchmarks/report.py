@@ -117,9 +117,10 @@ def iteration_split(base: list[dict], reps: list[dict]) -> dict | None:
 
 
 #: A generate's iterations by their place in it (``run.py``'s ``engine_iteration_ms``): the
-#: first (the prefill's schedule and launch), the next ``EARLY_ITERATIONS`` (the first decode
-#: steps, planned anew), the last ``TAIL_ITERATIONS`` (the requests' end) and the steady ones
-#: between; ``steady_iteration`` is the steady ones' median, one iteration.
+#: first (the prefill of the requests that reached the engine before it), the next
+#: ``EARLY_ITERATIONS`` (the first of them prefills the rest outside CUDA graphs, session 35;
+#: then the first decode steps, planned anew), the last ``TAIL_ITERATIONS`` (the requests' end)
+#: and the steady ones between; ``steady_iteration`` is the steady ones' median, one iteration.
 ITERATION_PARTS = ("head", "early", "steady", "tail", "steady_iteration")
 EARLY_ITERATIONS, TAIL_ITERATIONS = 4, 4
 
