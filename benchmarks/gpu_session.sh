@@ -61,6 +61,7 @@ compare() { local name=$1 model=$2; shift 2; python3 $G compare --run /tmp/$name
 # up to 0.03125 apart; session 66's H100 0.015625 under TORCHINDUCTOR_DETERMINISTIC=1, and bit for
 # bit under vLLM's batch-invariant kernels, V1 against V2 too. So the checks that are bit for bit
 # (dense's, v2_then_v1's) run under them; VLLM_BATCH_INVARIANT=0 runs them on vLLM's defaults.
+# gpu_checks.py records each run's mode, and a failed --identical says when the modes explain it.
 batch_invariant() {
   export VLLM_BATCH_INVARIANT=${VLLM_BATCH_INVARIANT:-1}
   echo "VLLM_BATCH_INVARIANT=$VLLM_BATCH_INVARIANT" | tee -a "$OUT/gpu.txt"

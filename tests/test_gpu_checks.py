@@ -72,6 +72,39 @@ def test_identical_fails_naming_the_layers_whose_rows_differ():
     assert checks.run_problems({}, same, fid, 0.1, identical=["nograph"]) == []
 
 
+def test_identical_says_whether_the_runs_kernels_could_make_the_difference(monkeypatch):
+    """Runs that record their kernel mode: both on vLLM's defaults, the failure says those can
+    round apart between engine starts; in different modes, it says so; both batch-invariant (or
+    either mode unknown, a run saved before the mode was), nothing more. A run records the mode
+    as vLLM reads the variable."""
+    checks = _checks()
+    positions, token_ids = torch.tensor([0, 1]), torch.tensor([4, 5])
+    runs = [_run({0: torch.full((2, 3), v)}, positions, token_ids, [0, 2]) for v in (0.0, 1.0)]
+    fid = {"hidden_states": {"rows_checked": 2, "max_rel_rownorm": 0.0}}
+
+    def problem(this, other):
+        report = {"run_vs_graph": {"hidden_states": checks.matched_rows(*runs)},
+                  "graph": {} if other is None else {"batch_invariant": other}}
+        graph = {} if this is None else {"batch_invariant": this}
+        (only,) = checks.run_problems(graph, report, fid, 0.1, identical=["graph"])
+        assert only.startswith("run_vs_graph hidden_states: not bit-identical (2 of 2 rows")
+        return only
+
+    assert problem(False, False).endswith(
+        "both on vLLM's default kernels, which can round a bf16 step apart from one engine "
+        "start to another: compare under VLLM_BATCH_INVARIANT=1")
+    assert problem(True, False).endswith(
+        "; the runs differ in VLLM_BATCH_INVARIANT (1 here, 0 there)")
+    for modes in ((True, True), (None, False), (False, None)):
+        assert problem(*modes).endswith("position 0)")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert checks.batch_invariant() is True
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert checks.batch_invariant() is False
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    assert checks.batch_invariant() is False
+
+
 def test_matched_rows_stops_a_prompt_at_its_first_label_that_differs():
     """Greedy decoding can pick another token once numerics differ: rows from there on are not
     compared, and a difference past that point is not reported."""

@@ -76,7 +76,8 @@ def run(args) -> None:
     # Prompts share prefixes: every row is wanted, so prefix-cache reads must be skipped.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                             skip_reading_prefix_cache=True)
-    result = {"init_s": init_s, "mode": args.mode, "model": args.model, "v1": args.v1, "tp": args.tp}
+    result = {"init_s": init_s, "mode": args.mode, "model": args.model, "v1": args.v1, "tp": args.tp,
+              "batch_invariant": batch_invariant()}
     if not args.capture:
         llm.generate(prompts, params, use_tqdm=False)
         t = time.time()
@@ -348,6 +349,25 @@ def compare(args) -> None:
 MEAN_MAX_REL = 0.02
 
 
+def batch_invariant() -> bool:
+    """Whether this process's engines run vLLM's batch-invariant kernels: ``VLLM_BATCH_INVARIANT``
+    as ``vllm.envs`` reads it (read here, since vLLM caches its envs once an engine has started)."""
+    return bool(int(os.environ.get("VLLM_BATCH_INVARIANT", "0")))
+
+
+def kernels_note(this: bool | None, other: bool | None) -> str:
+    """Why two runs' rows may differ by a bf16 step, from their kernel modes (None: a run saved
+    before the mode was recorded, nothing said)."""
+    if this is None or other is None:
+        return ""
+    if this != other:
+        return f"; the runs differ in VLLM_BATCH_INVARIANT ({int(this)} here, {int(other)} there)"
+    if not this:
+        return ("; both on vLLM's default kernels, which can round a bf16 step apart from one "
+                "engine start to another: compare under VLLM_BATCH_INVARIANT=1")
+    return ""
+
+
 def run_problems(graph: dict, report: dict, fid: dict, max_rel: float | None,
                  identical: list[str] = ()) -> list[str]:
     """What makes a ``compare`` fail: rows missing, a layer subset's rows not those of the full
@@ -380,9 +400,12 @@ def run_problems(graph: dict, report: dict, fid: dict, max_rel: float | None,
                         f"layer {layer}: {d['rows']} differing row(s), the first at prompt "
                         f"{d['first']['prompt']} position {d['first']['position']}"
                         for layer, d in m.get("differing_by_layer", {}).items())
+                    other = report.get(key[len("run_vs_"):])
+                    note = kernels_note(graph.get("batch_invariant"), other.get("batch_invariant")
+                                        if isinstance(other, dict) else None)
                     problems.append(f"{key} {s}: not bit-identical ({m['rows_compared']} of "
                                     f"{m['rows_total']} rows compared, max abs diff "
-                                    f"{m['max_abs_diff']}{'; ' + where if where else ''})")
+                                    f"{m['max_abs_diff']}{'; ' + where if where else ''}){note}")
     for name in identical:
         if not isinstance(report.get(f"run_vs_{name}"), dict):
             problems.append(f"--identical {name}: no such --against run "
