@@ -211,21 +211,22 @@ def main() -> int:
             prof_s, status = generate()
         first = first_iterations(prof.events())
         (out / f"iterations_{name}.json").write_text(json.dumps(first, indent=1))
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+        averages = prof.key_averages()  # aggregated anew on every call: once for all below
+        table = averages.table(sort_by="self_cpu_time_total", row_limit=45)
         (out / f"profile_{name}.txt").write_text(table)
         # Every op of the generate, not the table's first rows: session 66's idle and vanilla
         # tables could not be compared op by op (a name past the cut read as absent).
         (out / f"ops_{name}.json").write_text(json.dumps(
             {e.key: {"calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
                      "self_device_ms": round(e.self_device_time_total / 1e3, 3)}
-             for e in prof.key_averages()}, indent=0))
+             for e in averages}, indent=0))
         watched = {}
-        for e in prof.key_averages():
+        for e in averages:
             if e.key in WATCH or e.key.startswith("vllm_capture"):
                 watched[e.key] = {"calls": e.count, "cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
         # The GPU's busy time against the step's: whether the host or the GPU sets the pace
         # (kernels and copies, graph replays' kernels included; overlapping streams add up).
-        device_ms = sum(e.self_device_time_total for e in prof.key_averages()
+        device_ms = sum(e.self_device_time_total for e in averages
                         if e.device_type == DeviceType.CUDA) / 1e3
         # Then generates under cProfile (this thread: the scheduler's and the worker's): where
         # the Python of a step goes, capture's functions by name. The raw stats are kept too, so

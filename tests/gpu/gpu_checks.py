@@ -391,18 +391,18 @@ def run_problems(graph: dict, report: dict, fid: dict, max_rel: float | None,
             problems.append(f"{s}: mean {reductions['mean']['max_rel_rownorm']:.4f} off")
     for key, runs in report.items():
         if key.startswith("run_vs_") and isinstance(runs, dict):
+            name = key[len("run_vs_"):]
             for s, m in runs.items():
                 if m.get("error") or not m.get("rows_compared"):
                     problems.append(f"{key} {s}: {m.get('error') or 'no row compared'}")
-                elif key[len("run_vs_"):] in identical and not (
+                elif name in identical and not (
                         m["bit_identical"] and m["rows_compared"] == m["rows_total"]):
                     where = "; ".join(
                         f"layer {layer}: {d['rows']} differing row(s), the first at prompt "
                         f"{d['first']['prompt']} position {d['first']['position']}"
                         for layer, d in m.get("differing_by_layer", {}).items())
-                    other = report.get(key[len("run_vs_"):])
-                    note = kernels_note(graph.get("batch_invariant"), other.get("batch_invariant")
-                                        if isinstance(other, dict) else None)
+                    note = kernels_note(graph.get("batch_invariant"),
+                                        (report.get(name) or {}).get("batch_invariant"))
                     problems.append(f"{key} {s}: not bit-identical ({m['rows_compared']} of "
                                     f"{m['rows_total']} rows compared, max abs diff "
                                     f"{m['max_abs_diff']}{'; ' + where if where else ''}){note}")
