@@ -783,6 +783,14 @@ def _replays_table(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _startup_parts(parts: dict | None) -> str:
+    """``run.py``'s ``capture_startup_ms`` of an engine, part by part ("-" for none: vanilla, or
+    a run from before session 67)."""
+    if not parts:
+        return "-"
+    return ", ".join(f"{name} {_f(ms, '{:.0f}')}" for name, ms in parts.items())
+
+
 def markdown(report: dict) -> str:
     env, lines = report.get("env", {}), []
     lines.append(f"# vllm-capture benchmark: suite `{report['suite']}`, model {report['model_label']}")
@@ -860,17 +868,19 @@ def markdown(report: dict) -> str:
     lines.append("")
     lines.append("## Engines")
     lines.append("")
-    lines.append("| engine | init s | KV cache tokens (vs vanilla) | capture buffers GiB (status) "
+    lines.append("| engine | init s | capture's parts of it, ms | KV cache tokens (vs vanilla) "
+                 "| capture buffers GiB (status) "
                  "| GPU GiB the engine took (NVML, vs vanilla) | side by side with "
                  "| CPUs, rotating among engines (client's) | compiled model "
                  "| error |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for e in engine_rows(report.get("engines", {})):
         def delta(key, scale=1.0, fmt="{:+.2f}"):
             d = e.get(f"{key}_vs_vanilla")
             return "" if d is None or e["engine"] == "vanilla-graph" else f" ({fmt.format(d / scale)})"
         lines.append(
             f"| {e['engine']} | {_f(e.get('init_s'), '{:.0f}')} "
+            f"| {_startup_parts(e.get('capture_startup_ms'))} "
             f"| {_f(e.get('kv_cache_tokens'), '{:,.0f}')}{delta('kv_cache_tokens', 1.0, '{:+,.0f}')} "
             f"| {_f(e.get('capture_allocation_bytes'), '{:.3f}', GIB)} "
             f"| {_f(e.get('nvml_engine'), '{:.2f}', GIB)}{delta('nvml_engine', GIB)} "

@@ -42,6 +42,7 @@ from benchmarks import engine_state as E  # noqa: E402
 from benchmarks import host_cpu  # noqa: E402
 from benchmarks import report as R  # noqa: E402
 from benchmarks import scenarios as S  # noqa: E402
+from benchmarks.startup import capture_startup_parts  # noqa: E402
 
 MAX_FETCH_MESSAGE = 1 << 30  # bytes per fetch_captured call (larger captures fetch layer groups)
 LOG_TAIL_LINES = 250  # lines of each engine's log kept in engines.log
@@ -420,8 +421,11 @@ class EngineRun:
             for stream in S.HIDDEN, S.HEADS, S.ROUTER:
                 status = self.api.capture_status(llm, stream)
                 self.stream_layers[stream] = sorted(int(k) for k in status.get("layouts", {}))
-                info["capture_allocation_bytes"] = status.get("graph_allocation_bytes")
-                info["capture_buffer_bytes"] = status.get("graph_buffer_bytes")
+            info["capture_allocation_bytes"] = status.get("graph_allocation_bytes")
+            info["capture_buffer_bytes"] = status.get("graph_buffer_bytes")
+            # Capture's parts of this start, beside init_s: every run adds to what startup.py's
+            # rounds read of the start-up target's extra.
+            info["capture_startup_ms"] = capture_startup_parts(status)
             info["hooked_layers"] = {k: len(v) for k, v in self.stream_layers.items()}
             self.touch_streams(name)
         self.emit(name, type="engine", **info)

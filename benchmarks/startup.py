@@ -130,13 +130,20 @@ def start_once(kind: str, folder: str, cpu: bool, gpu_share: float) -> float:
     llm = LLM(folder, **kw) if kind == "vanilla" else vc.LLM(folder, **kw)
     seconds = time.perf_counter() - t
     if kind != "vanilla":
-        status = vc.capture_status(llm)
-        parts = dict(status["startup_ms"])
-        if status["graph_nodes"] is not None:
-            parts["graph_copies"] = status["graph_nodes"]["copy_ms"]
+        parts = capture_startup_parts(vc.capture_status(llm))
         print(f"CAPTURE_STARTUP_MS {json.dumps(parts)}", flush=True)
     del llm
     return seconds
+
+
+def capture_startup_parts(status: dict) -> dict[str, float]:
+    """What capture added to an engine's start, ms by part, from its ``capture_status``: the
+    worker's own parts (``startup_ms``: install, the kernels' compile and the wait for it) and
+    the graph copies without idle sites' nodes (``graph_nodes``, None off CUDA)."""
+    parts = dict(status["startup_ms"])
+    if status["graph_nodes"] is not None:
+        parts["graph_copies"] = status["graph_nodes"]["copy_ms"]
+    return parts
 
 
 def against_vanilla(starts: list[dict], summary, compare) -> dict[str, dict]:

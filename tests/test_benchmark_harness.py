@@ -34,6 +34,10 @@ def test_dry_run_side_by_side(tmp_path):
     assert engines["capture-graph"]["side_by_side_with"] == ["vanilla-graph"]
     assert engines["vanilla-graph"]["side_by_side_with"] == ["capture-graph"]
     assert all(e.get("init_s") and not e.get("error") for e in engines.values())
+    # Capture's parts of its engine's start; on the CPU no graphs, so no graph copies.
+    assert engines["capture-graph"]["capture_startup_ms"]["install"] > 0
+    assert "graph_copies" not in engines["capture-graph"]["capture_startup_ms"]
+    assert "capture_startup_ms" not in engines["vanilla-graph"]
     # Read from each engine's own processes' log lines (vLLM's per-process prefix).
     assert all(isinstance(e["kv_cache_tokens"], int) and e["kv_cache_tokens"] > 0
                for e in engines.values())

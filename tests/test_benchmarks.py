@@ -906,6 +906,29 @@ def test_report_says_how_each_engine_got_its_compiled_model():
             "capture-graph (init 44 s, -, RuntimeError: x) started and stopped") in md
 
 
+def test_report_gives_capture_startup_parts_beside_each_engines_init():
+    """run.py keeps capture's parts of an engine's start (``capture_startup_parts`` of its
+    status, as startup.py reads them); the engines table gives them beside init s, and "-" for an
+    engine without (vanilla, or a run from before they were kept)."""
+    from benchmarks.startup import capture_startup_parts
+
+    status = {"startup_ms": {"install": 118.4, "kernel_compile": 2904.2, "kernel_wait": 0.6},
+              "graph_nodes": {"copy_ms": 79.3, "copies": 3}}
+    parts = capture_startup_parts(status)
+    assert parts == {"install": 118.4, "kernel_compile": 2904.2, "kernel_wait": 0.6,
+                     "graph_copies": 79.3}
+    assert status["startup_ms"] == {"install": 118.4, "kernel_compile": 2904.2, "kernel_wait": 0.6}
+    assert capture_startup_parts({"startup_ms": {"install": 5.0}, "graph_nodes": None}) == \
+        {"install": 5.0}  # off CUDA: no graphs to copy
+    rep = _report(_m("vanilla", 1000.0))
+    rep["engines"]["capture-graph"]["capture_startup_ms"] = parts
+    md = R.markdown(rep)
+    assert "| engine | init s | capture's parts of it, ms | KV cache tokens" in md
+    assert md.split("| capture-graph | 82 |")[1].startswith(
+        " install 118, kernel_compile 2904, kernel_wait 1, graph_copies 79 |")
+    assert md.split("| vanilla-graph | 80 |")[1].startswith(" - |")
+
+
 def test_report_gives_cpu_time_per_step_by_thread():
     def m(scenario, rep, main, harvest=None):
         engine = {"VLLM::EngineCor (main)": [main * 100, 0.5 * 100]}
