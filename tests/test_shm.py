@@ -7,6 +7,7 @@ the reference every shared-memory result must equal bit for bit.
 
 from __future__ import annotations
 
+import collections
 import errno
 import gc
 import json
@@ -18,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import warnings
 from types import SimpleNamespace
 
@@ -31,6 +31,7 @@ import vllm_capture.session.store as store_module
 from vllm_capture.api import join_shards
 from vllm_capture.session import StreamConfig, StreamStore, shm
 from vllm_capture.session.components import ATTENTION_HEADS
+from vllm_capture.session.store import FetchedRows
 from vllm_capture.session.wire import deserialize_captured
 
 pytestmark = pytest.mark.skipif(not os.access(shm.SHM_DIR, os.W_OK), reason="no writable /dev/shm")
@@ -293,6 +294,33 @@ def test_the_file_is_populated_in_ranges_on_several_threads(monkeypatch):
     _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
 
 
+def test_a_layer_larger_than_a_threads_share_is_split_between_shares(monkeypatch):
+    """Two layers of 276 rows on three threads: shares of 184 rows, so each layer is copied in
+    two parts, off the calling thread, and the file holds what the bytes path sends."""
+    monkeypatch.setattr(shm, "WRITE_THREADS", 3)
+    monkeypatch.setattr(shm, "POPULATE_BYTES", 4096)
+    copies = collections.defaultdict(list)
+    copy_into = FetchedRows.copy_into
+
+    def recording(self, out, part=None):
+        copies[id(self)].append((part, threading.current_thread().name))
+        copy_into(self, out, part)
+
+    monkeypatch.setattr(FetchedRows, "copy_into", recording)
+
+    def make():  # 12 requests' decode steps, several to an append: scattered rows
+        return _store(layers=(0, 1), width=1000, requests=12, steps=(3,) + (4,) * 5)
+
+    reply = shm.write_reply(_reply(make()))
+    parts = sorted(sorted(part for part, _ in calls) for calls in copies.values())
+    assert parts == [[(0, 92), (92, 276)], [(0, 184), (184, 276)]]
+    threads = {name for calls in copies.values() for _, name in calls}
+    assert threading.current_thread().name not in threads
+    monkeypatch.setattr(FetchedRows, "copy_into", copy_into)
+    want = deserialize_captured(shm.write_reply(_reply(make()), shared=False)["layers"])
+    _assert_same(deserialize_captured(shm.read_replies([reply])[0]["layers"]), want)
+
+
 def test_a_shared_write_reports_its_parts_and_a_bytes_reply_none():
     parts: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -309,11 +337,12 @@ def test_a_failed_copy_leaves_no_file():
     before = _shm_files()
     reply = _reply(_store())
 
-    def broken(out):
+    def broken(out, part):
         raise RuntimeError("copy failed")
 
     layer = reply["layers"]["1"]
-    layer["data"] = SimpleNamespace(nbytes=layer["data"].nbytes, copy_into=broken)
+    layer["data"] = SimpleNamespace(nbytes=layer["data"].nbytes, shape=layer["data"].shape,
+                                    copy_into=broken)
     with pytest.raises(RuntimeError, match="copy failed"):
         shm.write_reply(reply)
     assert _shm_files() == before
@@ -878,12 +907,44 @@ def test_a_much_smaller_fetch_leaves_the_spare_for_a_later_one(monkeypatch):
     shm.read_replies([small, big])
 
 
-def test_a_reply_is_copied_in_one_share_of_about_equal_bytes_per_thread():
-    """Blocks go to at most one task per thread, each block once, the shares' bytes balanced."""
-    blocks = [(types.SimpleNamespace(nbytes=n), k) for k, n in enumerate([5, 1, 4, 2, 3, 3, 2])]
-    shares = shm._shares(blocks, 3)
-    assert len(shares) == 3
-    assert sorted(offset for share in shares for _, offset in share) == list(range(7))
-    assert sorted(sum(b[0].nbytes for b in share) for share in shares) == [6, 7, 7]
-    assert shm._shares(blocks[:2], 8) == [[blocks[0]], [blocks[1]]]
-    assert shm._shares(blocks, 1) == [sorted(blocks, key=lambda b: -b[0].nbytes)]
+def _blocks(*layers):
+    """``(rows, offset)`` blocks standing in for layers of (rows, bytes per row)."""
+    return [(SimpleNamespace(shape=(rows, 0), nbytes=rows * row_bytes), k)
+            for k, (rows, row_bytes) in enumerate(layers)]
+
+
+def _check_shares(blocks, shares, threads):
+    """Each block's parts cover its rows once, in order; at most ``threads`` shares, whose
+    bytes are about equal (within a row of the largest rows of each share's end)."""
+    assert 0 < len(shares) <= threads
+    for rows, offset in blocks:
+        parts = [part for share in shares for r, o, part in share if o == offset]
+        assert all(r is rows for share in shares for r, o, _ in share if o == offset)
+        assert [a for a, _ in parts] == [0] + [b for _, b in parts[:-1]]
+        assert parts[-1][1] == rows.shape[0]
+    loads = [sum((b - a) * (r.nbytes // r.shape[0]) for r, _, (a, b) in share)
+             for share in shares]
+    largest_row = max(r.nbytes // r.shape[0] for r, _ in blocks)
+    total = sum(r.nbytes for r, _ in blocks)
+    assert sum(loads) == total
+    assert max(loads) - total / len(shares) <= largest_row
+    return loads
+
+
+def test_a_reply_is_copied_in_shares_of_about_equal_bytes_one_per_thread():
+    """Blocks are laid end to end and cut into one share per thread: a layer larger than a share
+    is copied by several threads, small ones go whole, several to a share."""
+    four_layers = _blocks(*[(18368, 4096)] * 4)
+    shares = shm._shares(four_layers, 8)
+    assert len(shares) == 8 and all(len(share) == 1 for share in shares)
+    _check_shares(four_layers, shares, 8)
+    last_token = _blocks(*[(64, 8192)] * 32)
+    shares = shm._shares(last_token, 4)
+    assert [len(share) for share in shares] == [8] * 4
+    assert all(part == (0, 64) for share in shares for _, _, part in share)
+    _check_shares(last_token, shares, 4)
+    uneven = _blocks((5, 100), (1, 3), (400, 8), (2, 1000), (30, 30), (3, 7))
+    for threads in (1, 2, 3, 5, 8, 64):
+        _check_shares(uneven, shm._shares(uneven, threads), threads)
+    one_row = _blocks((1, 10))
+    assert shm._shares(one_row, 8) == [[(one_row[0][0], 0, (0, 1))]]

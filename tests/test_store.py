@@ -1212,6 +1212,39 @@ def test_raw_data_fetch_hands_out_rows_to_copy_once(monkeypatch, fetch, large_co
             rows.copy_into(bytes(rows.nbytes))
 
 
+@pytest.mark.parametrize("large_copy", [None, 0], ids=["numpy-copies", "torch-copies"])
+@pytest.mark.parametrize("drained", ["step-by-step", "scattered"])
+def test_rows_copied_in_parts_give_the_whole_copy(monkeypatch, large_copy, drained):
+    """Parts of ``copy_into`` (what threads of the shared-memory write share) that cover every
+    row, cut anywhere, even inside a piece, fill the buffer exactly as one whole copy does."""
+    if large_copy is not None:
+        monkeypatch.setattr(store_module, "_LARGE_COPY", large_copy)
+    # Decode steps of a few requests drained one by one (a row range per span), or of many
+    # drained four at a time (a scatter per chunk), after a prefill of 3 rows each.
+    count, per_drain = (3, 1) if drained == "step-by-step" else (12, 4)
+    store = StreamStore(StreamConfig())
+    requests = [store.request_index(f"r{i}") for i in range(count)]
+    store.append_layers({0: torch.randn(3 * count, WIDTH)},
+                        torch.tensor([[r, p, 1] for r in requests for p in range(3)],
+                                     dtype=torch.int32), {0: "l0"})
+    for first in range(3, 23, per_drain):
+        meta = torch.tensor([[r, p, 1] for p in range(first, first + per_drain)
+                             for r in reversed(requests)], dtype=torch.int32)
+        store.append_layers({0: torch.randn(len(meta), WIDTH)}, meta, {0: "l0"})
+    rows = store.serialize(raw_data=True)[0]["data"]
+    scattered = any(not isinstance(to, slice) for _, _, to in rows._pieces)
+    assert scattered == (drained == "scattered")
+    whole = bytearray(rows.nbytes)
+    rows.copy_into(whole)
+    total = rows.shape[0]
+    for cuts in ([], [1], [total // 2], [5, 6, 40, total - 1], list(range(7, total, 7))):
+        bounds = [0, *cuts, total]
+        parts = bytearray(b"\xab" * rows.nbytes)
+        for start, stop in reversed(list(zip(bounds, bounds[1:]))):
+            rows.copy_into(parts, part=(start, stop))
+        assert parts == whole, cuts
+
+
 def test_raw_data_rows_of_one_whole_chunk_are_not_copied_until_asked():
     store = StreamStore(StreamConfig())
     a = store.request_index("a")

@@ -163,9 +163,15 @@ class FetchedRows:
         self._sources = sources
         self._pieces = pieces
 
-    def copy_into(self, out) -> None:
+    def copy_into(self, out, part: tuple[int, int] | None = None) -> None:
         """Copy the rows into ``out``, a writable buffer of exactly ``nbytes``
-        bytes, in the wire layout (C-order rows of the wire's raw dtype)."""
+        bytes, in the wire layout (C-order rows of the wire's raw dtype).
+
+        ``part=(start, stop)`` copies only the rows from the start-th to the
+        stop-th that a whole copy moves, counted in the order it moves them
+        (not the wire's): calls into one buffer whose parts cover
+        ``(0, rows)`` copy every row once, so threads can share one layer."""
+        pieces = self._pieces if part is None else self._part(*part)
         dst = np.frombuffer(out, dtype=WIRE_RAW_DTYPES[self.dtype])
         if dst.nbytes != self.nbytes or not dst.flags.writeable:
             kind = "a" if dst.flags.writeable else "a read-only"
@@ -173,7 +179,7 @@ class FetchedRows:
                              f"got {kind} {dst.nbytes}-byte one")
         dst = dst.reshape(self.shape)
         dst_t = None  # torch view of dst, made on first use
-        for index, src, to in self._pieces:
+        for index, src, to in pieces:
             source, raw = self._sources[index]
             if not isinstance(to, slice) or (
                 source.dtype == self.dtype and (to.stop - to.start) * raw[:1].nbytes < _LARGE_COPY
@@ -186,6 +192,23 @@ class FetchedRows:
                 if self.dtype == torch.bfloat16:
                     dst_t = dst_t.view(torch.bfloat16)
             dst_t[to].copy_(source[src])
+
+    def _part(self, start: int, stop: int) -> list[tuple]:
+        """The pieces of ``copy_into``'s rows ``start:stop``, cut where a piece straddles them."""
+        out = []
+        at = 0  # rows of the pieces before this one
+        for index, src, to in self._pieces:
+            count = _rows(to)
+            first, last = max(start - at, 0), min(stop - at, count)
+            at += count
+            if first < last:
+                if (first, last) == (0, count):
+                    out.append((index, src, to))
+                else:
+                    out.append((index, _cut(src, first, last), _cut(to, first, last)))
+            if at >= stop:
+                break
+        return out
 
     def tensor(self) -> torch.Tensor:
         """The rows as one tensor: the source chunk's own when they are one whole
@@ -1307,6 +1330,13 @@ def _whole(source: torch.Tensor, rows: np.ndarray | slice, dtype: torch.dtype) -
 
 def _rows(rows: np.ndarray | slice) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else rows.size
+
+
+def _cut(rows: np.ndarray | slice, first: int, last: int) -> np.ndarray | slice:
+    """Rows ``first:last`` of ``rows`` (a slice with explicit bounds, or an index array)."""
+    if isinstance(rows, slice):
+        return slice(rows.start + first, rows.start + last)
+    return rows[first:last]
 
 
 def _take(source: torch.Tensor, rows: np.ndarray | slice, dtype: torch.dtype) -> torch.Tensor:
