@@ -299,14 +299,20 @@ print('compiles', c, 'PASS' if c['load_in_graph_capture'] == c['after_load'] == 
     ;;
   fetch)
     # The fetch path alone (no engine, no GPU): one writer thread vs the default, fresh vs pooled
-    # /dev/shm files vs the spare populated while rows arrive, a 16-layer hidden-state shape and a
-    # 48-layer router-logit shape drained 82 steps at a time.
+    # /dev/shm files vs the spare populated while rows arrive, a 16-layer hidden-state shape, a
+    # 48-layer router-logit shape drained 82 steps at a time, and the 1B's hidden-4l shape.
     (uname -r; nproc; cat /sys/kernel/mm/transparent_hugepage/shmem_enabled; df -h /dev/shm) | tee "$OUT/fetch_path.txt"
     for args in "--write-threads 1 --fresh" "--fresh" "" "--spare"; do
       python3 benchmarks/fetch_path.py --runs 3 $args 2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
     done
     python3 benchmarks/fetch_path.py --layers 48 --width 128 --steps 287 --steps-per-drain 82 --runs 3 \
       2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
+    # The 1B's hidden-4l fetch (4 layers of 64 requests' 287 rows): on 4 threads each layer is
+    # one thread's share, as before a layer could be cut between threads; on 8, half a layer each.
+    for threads in 4 8; do
+      python3 benchmarks/fetch_path.py --layers 4 --rows 64 --steps 287 --runs 5 --write-threads $threads \
+        2>&1 | grep -v -E "Warn|Capture enabled" | tee -a "$OUT/fetch_path.txt"
+    done
     ;;
   reduction)
     # A last-token capture's fetch without an engine (benchmarks/reduction_fetch.py, 8B's shape:
