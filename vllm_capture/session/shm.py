@@ -24,8 +24,9 @@ Fresh tmpfs pages are the fetch's cost: the kernel allocates and zeroes them at 
 thread on the H200 host, where the gather itself runs at several GB/s. So the worker sizes the file
 (``ftruncate``) and several threads populate ranges of its mapping at once
 (``MADV_POPULATE_WRITE``, Linux 5.14+: a full tmpfs is an error there, not a SIGBUS mid-copy),
-then copy the layers' rows in byte-balanced shares, one per thread. Older kernels reserve with
-``posix_fallocate`` and populate on one thread.
+then copy the layers' rows in byte-balanced shares, one per thread (a layer larger than a share
+is cut between threads; see ``_shares``). Older kernels reserve with ``posix_fallocate`` and
+populate on one thread.
 
 Files are reused, too. When the last tensor of a fetch is freed, the client renames its file to
 ``vllm-capture-free-*``, into a pool of at most ``POOL_FILES`` files and ``POOL_BYTES``: the least
